@@ -1,0 +1,28 @@
+"""Wire structs (msgspec) and their codecs. Depends on msgspec only."""
+
+from protocol.codec import Codec, ProtocolError
+from protocol.digest import block_ids_digest
+from protocol.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+)
+from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch
+from protocol.messages import (
+    CachedRequestData,
+    EngineCoreAbort,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    InitKVCache,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    Shutdown,
+    WorkerError,
+    WorkerKVReport,
+    WorkerReady,
+)
+from protocol.sampling import SamplingParams

@@ -1,0 +1,43 @@
+"""KV cache specs and the final KV cache config: computed by the ledger, sent to every worker."""
+
+import msgspec
+
+
+class FullAttentionSpec(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    block_size: int
+    num_kv_heads: int  # per tensor-parallel rank
+    head_size: int
+    dtype_bytes: int
+    head_size_v: int = 0  # 0 means equal to head_size
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of K and V for one block of one layer."""
+        head_size_v = self.head_size_v or self.head_size
+        return self.num_kv_heads * self.block_size * (self.head_size + head_size_v) * self.dtype_bytes
+
+
+class SlidingWindowSpec(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype_bytes: int
+    sliding_window: int  # a token attends to itself and the sliding_window - 1 tokens before it
+    head_size_v: int = 0
+
+    page_size_bytes = FullAttentionSpec.page_size_bytes
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
+
+
+class KVCacheGroupSpec(msgspec.Struct, frozen=True, array_like=True):
+    """Layers that share one block table. Layer j of every group uses KV tensor j."""
+
+    layer_names: list[str]
+    kv_cache_spec: KVCacheSpec
+
+
+class KVCacheConfig(msgspec.Struct, frozen=True, array_like=True):
+    num_blocks: int
+    kv_cache_groups: list[KVCacheGroupSpec]

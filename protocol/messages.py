@@ -1,0 +1,122 @@
+"""Every message that crosses a process boundary. Tagged unions let one decoder read one socket."""
+
+import msgspec
+
+from protocol.kv_cache_spec import KVCacheConfig, KVCacheSpec
+from protocol.sampling import SamplingParams
+
+_struct = dict(array_like=True, omit_defaults=True)
+
+# ---- client -> engine core ------------------------------------------------------------------
+
+
+class EngineCoreRequest(msgspec.Struct, tag=True, **_struct):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    cache_salt: str | None = None
+    priority: int = 0  # lower runs first under --scheduling-policy priority
+
+
+class EngineCoreAbort(msgspec.Struct, tag=True, **_struct):
+    request_ids: list[str]
+
+
+ClientMessage = EngineCoreRequest | EngineCoreAbort
+
+# ---- engine core -> client ------------------------------------------------------------------
+
+FINISH_REASONS = ("length", "stop", "abort", "error")
+
+
+class EngineCoreOutput(msgspec.Struct, **_struct):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # one of FINISH_REASONS once finished
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # why the request was rejected or failed
+
+
+class EngineCoreOutputs(msgspec.Struct, **_struct):
+    outputs: list[EngineCoreOutput]
+    timestamp: float = 0.0
+
+
+# ---- engine core -> workers -----------------------------------------------------------------
+
+
+class NewRequestData(msgspec.Struct, **_struct):
+    """A request the workers have not seen, or one resuming after preemption: all its block ids."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # tokens generated before a preemption; replayed as input
+    sampling_params: SamplingParams
+    block_ids: list[list[int]]  # one list per KV cache group
+    num_computed_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, **_struct):
+    """Running requests, column-wise: only newly appended block ids travel."""
+
+    req_ids: list[str] = []
+    new_block_ids: list[list[list[int]] | None] = []  # per request: per group, or None
+    num_computed_tokens: list[int] = []
+
+
+class SchedulerOutput(msgspec.Struct, tag=True, **_struct):
+    step: int
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: list[str] = []
+    preempted_req_ids: list[str] = []
+    # --check-block-tables: per scheduled request, block_ids_digest of its whole block list
+    block_table_digests: dict[str, bytes] | None = None
+
+
+class InitKVCache(msgspec.Struct, tag=True, **_struct):
+    """Start-up: the final KV cache config (minimum block count across ranks)."""
+
+    kv_cache_config: KVCacheConfig
+
+
+class Shutdown(msgspec.Struct, tag=True, **_struct):
+    pass
+
+
+EngineToWorker = SchedulerOutput | InitKVCache | Shutdown
+
+# ---- workers -> engine core -----------------------------------------------------------------
+
+
+class WorkerKVReport(msgspec.Struct, tag=True, **_struct):
+    """Start-up: what this rank can give the KV cache, and the spec of each attention layer."""
+
+    rank: int
+    available_kv_bytes: int
+    kv_cache_specs: dict[str, KVCacheSpec]  # layer name -> spec (this rank's KV heads)
+    eos_token_ids: list[int]
+    max_position_embeddings: int
+    memory_detail: str = ""  # the terms of the budget, for the start-up log
+
+
+class WorkerReady(msgspec.Struct, tag=True, **_struct):
+    rank: int
+    num_blocks: int
+
+
+class ModelRunnerOutput(msgspec.Struct, tag=True, **_struct):
+    step: int
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]  # per request; empty for a prefill chunk that samples nothing
+
+
+class WorkerError(msgspec.Struct, tag=True, **_struct):
+    rank: int
+    message: str
+
+
+WorkerToEngine = WorkerKVReport | WorkerReady | ModelRunnerOutput | WorkerError
