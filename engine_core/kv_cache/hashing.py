@@ -1,0 +1,72 @@
+"""Chained block hashes: hash(parent hash, extra keys, this block's token ids).
+
+Inputs are packed bytes, never pickled objects, so the same prefix gives the same hash in every
+process and every run. sha256 is the default because prefix-cache contents are tenant data;
+xxhash (xxh3-128) is the fast, non-cryptographic option.
+"""
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import msgspec
+import xxhash
+
+from engine_core.kv_cache.block import BlockHash
+
+if TYPE_CHECKING:
+    from engine_core.request import Request
+
+HashFn = Callable[[bytes], bytes]
+
+HASH_FUNCTIONS: dict[str, HashFn] = {
+    "sha256": lambda data: hashlib.sha256(data).digest(),
+    "xxhash": xxhash.xxh3_128_digest,
+}
+
+
+def get_hash_fn(name: str) -> HashFn:
+    try:
+        return HASH_FUNCTIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown prefix-cache hash {name!r}; choose from {sorted(HASH_FUNCTIONS)}") from None
+
+
+def _pack_tokens(token_ids: Sequence[int]) -> bytes:
+    packed = array("i", token_ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+_encode_extra = msgspec.msgpack.Encoder().encode
+
+
+def hash_block_tokens(
+    hash_fn: HashFn, parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple | None = None
+) -> BlockHash:
+    """The first block has no parent; its chain starts from a fixed root digest."""
+    if parent_hash is None:
+        parent_hash = hash_fn(b"kvengine-root")
+    extra = _encode_extra(extra_keys) if extra_keys else b""
+    return hash_fn(parent_hash + len(extra).to_bytes(4, "little") + extra + _pack_tokens(token_ids))
+
+
+def get_request_block_hasher(block_size: int, hash_fn: HashFn) -> "Callable[[Request], list[BlockHash]]":
+    """Returns a function that hashes the request's full blocks it has not hashed yet."""
+
+    def hash_new_blocks(request: "Request") -> list[BlockHash]:
+        start = len(request.block_hashes)
+        end = request.num_tokens // block_size
+        parent = request.block_hashes[-1] if start else None
+        new = []
+        tokens = request.all_token_ids
+        for i in range(start, end):
+            extra = (request.cache_salt,) if i == 0 and request.cache_salt else None
+            parent = hash_block_tokens(hash_fn, parent, tokens[i * block_size : (i + 1) * block_size], extra)
+            new.append(parent)
+        return new
+
+    return hash_new_blocks

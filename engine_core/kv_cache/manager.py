@@ -1,0 +1,142 @@
+"""KVCacheManager: the ledger API the scheduler calls."""
+
+from dataclasses import dataclass
+
+from engine_core.kv_cache.block import KVCacheBlock
+from engine_core.kv_cache.coordinator import get_kv_cache_coordinator
+from engine_core.request import Request, RequestStatus
+from protocol.kv_cache_spec import KVCacheConfig
+from protocol.kv_events import KVCacheEvent
+
+
+@dataclass(slots=True)
+class KVCacheBlocks:
+    """Blocks of one request or one call: one list per KV cache group."""
+
+    blocks: tuple[list[KVCacheBlock], ...]
+
+    def get_block_ids(self) -> list[list[int]]:
+        return [[block.block_id for block in group] for group in self.blocks]
+
+    def num_new_blocks(self) -> int:
+        return sum(len(group) for group in self.blocks)
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Counted in tokens: a query is a request's tokens looked up, a hit the tokens found."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    reset: bool = False
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        enable_caching: bool = True,
+        max_num_batched_tokens: int | None = None,
+        watermark: float = 0.0,
+        enable_kv_cache_events: bool = False,
+    ) -> None:
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
+        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        self.coordinator = get_kv_cache_coordinator(
+            kv_cache_config, max_num_batched_tokens or max_model_len, enable_caching, enable_kv_cache_events
+        )
+        self.block_pool = self.coordinator.block_pool
+        self.prefix_cache_stats = PrefixCacheStats()
+        self._no_blocks = tuple([] for _ in range(self.num_kv_cache_groups))
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The request's longest prefix-cache hit, never its whole prompt: the last token is always computed."""
+        if not self.enable_caching:
+            return KVCacheBlocks(self._no_blocks), 0
+        max_cache_hit_length = request.num_tokens - 1
+        hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(request.block_hashes, max_cache_hit_length)
+        stats = self.prefix_cache_stats
+        stats.requests += 1
+        stats.queries += request.num_tokens
+        stats.hits += num_hit_tokens
+        return KVCacheBlocks(hits), num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        has_scheduled_reqs: bool = False,
+    ) -> KVCacheBlocks | None:
+        """Blocks for num_new_tokens more tokens. Counts first: on None nothing has changed.
+
+        Returns only the blocks new to this call (for a new request, get_blocks() has all of them).
+        """
+        if num_new_tokens == 0 and num_new_computed_tokens == 0:
+            raise ValueError(f"allocate_slots for {request.request_id} with no new and no computed tokens")
+        hits = new_computed_blocks.blocks if new_computed_blocks is not None else self._no_blocks
+        num_computed_tokens = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
+
+        # The watermark keeps headroom only against new admissions while others run.
+        watermark_blocks = 0
+        if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            watermark_blocks = self.watermark_blocks
+        num_free = self.block_pool.get_num_free_blocks()
+
+        if full_sequence_must_fit:  # admission: the whole sequence, not just this chunk, must fit
+            full_num_tokens = min(request.num_tokens, self.max_model_len)
+            needed = self.coordinator.get_num_blocks_to_allocate(
+                request.request_id, full_num_tokens, hits, apply_admission_cap=True
+            )
+            if needed + watermark_blocks > num_free:
+                return None
+
+        num_tokens_need_slot = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        # Dropping blocks that left a window may free some; legal even if we then return None.
+        self.coordinator.remove_skipped_blocks(request.request_id, num_computed_tokens)
+        needed = self.coordinator.get_num_blocks_to_allocate(request.request_id, num_tokens_need_slot, hits)
+        if needed + watermark_blocks > self.block_pool.get_num_free_blocks():
+            return None
+
+        if new_computed_blocks is not None and any(hits):
+            self.coordinator.save_new_computed_blocks(request.request_id, hits)
+        new_blocks = self.coordinator.allocate_new_blocks(request.request_id, num_tokens_need_slot)
+        if self.enable_caching:  # lookahead slots hold no real tokens yet
+            self.coordinator.cache_blocks(request, min(num_computed_tokens + num_new_tokens, request.num_tokens))
+        return KVCacheBlocks(new_blocks)
+
+    def free(self, request: Request) -> None:
+        self.coordinator.free(request.request_id)
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        return KVCacheBlocks(self.coordinator.get_blocks(request_id))
+
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        return self.get_blocks(request_id).get_block_ids()
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def get_usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def reset_prefix_cache(self) -> bool:
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        self.prefix_cache_stats.reset = True
+        return True
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Stats since the last call."""
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.block_pool.take_events()

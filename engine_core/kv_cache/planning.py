@@ -1,0 +1,111 @@
+"""Memory sizing arithmetic: from per-layer specs and each rank's KV bytes to a KVCacheConfig."""
+
+import math
+from collections.abc import Sequence
+
+from engine_core.kv_cache.single_type_manager import cdiv
+from protocol.kv_cache_spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, SlidingWindowSpec
+
+GiB = 1 << 30
+
+
+class KVCacheSizingError(ValueError):
+    """Start-up cannot size the KV cache; the message says what to change."""
+
+
+def get_kv_cache_groups(kv_cache_specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
+    """Group layers by spec. Groups are equal in size so that layer j of every group can share
+    KV tensor j (a block id belongs to one group at a time): one group if all specs are equal."""
+    by_spec: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in kv_cache_specs.items():
+        by_spec.setdefault(spec, []).append(name)
+    if len(by_spec) == 1:
+        ((spec, names),) = by_spec.items()
+        return [KVCacheGroupSpec(names, spec)]
+    page_sizes = {spec.page_size_bytes for spec in by_spec}
+    if len(page_sizes) != 1:
+        raise KVCacheSizingError(f"layers with different attention types must have equal page sizes, got {page_sizes}")
+    group_size = math.gcd(*(len(names) for names in by_spec.values()))
+    return [
+        KVCacheGroupSpec(names[i : i + group_size], spec)
+        for spec, names in by_spec.items()
+        for i in range(0, len(names), group_size)
+    ]
+
+
+def bytes_per_block(groups: Sequence[KVCacheGroupSpec]) -> int:
+    """Bytes one block id costs on one rank: the page sizes of a group's layers, summed; max over groups."""
+    return max(sum(group.kv_cache_spec.page_size_bytes for _ in group.layer_names) for group in groups)
+
+
+def blocks_per_request(groups: Sequence[KVCacheGroupSpec], num_tokens: int, max_num_batched_tokens: int) -> int:
+    """Block ids one request of num_tokens holds at its peak, over all groups."""
+    total = 0
+    for group in groups:
+        spec = group.kv_cache_spec
+        needed = cdiv(num_tokens, spec.block_size)
+        if isinstance(spec, SlidingWindowSpec):
+            needed = min(needed, cdiv(spec.sliding_window - 1 + max_num_batched_tokens, spec.block_size) + 1)
+        total += needed
+    return total
+
+
+def get_num_blocks(available_bytes: int, block_bytes: int) -> int:
+    if available_bytes < block_bytes:
+        raise KVCacheSizingError(
+            f"No available memory for the cache blocks: {available_bytes / GiB:.2f} GiB is left for the KV cache, "
+            f"one block needs {block_bytes} bytes. Raise --gpu-memory-utilization or --kv-cache-memory-bytes, "
+            "or lower --max-num-batched-tokens (it sets the size of the profile run)."
+        )
+    return available_bytes // block_bytes
+
+
+def get_kv_cache_config(
+    kv_cache_specs: dict[str, KVCacheSpec],
+    available_bytes_per_rank: Sequence[int],
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    num_gpu_blocks_override: int | None = None,
+) -> KVCacheConfig:
+    """Every rank gets the smallest block count of all ranks, so block ids mean the same everywhere."""
+    groups = get_kv_cache_groups(kv_cache_specs)
+    block_bytes = bytes_per_block(groups)
+    num_blocks = min(get_num_blocks(available, block_bytes) for available in available_bytes_per_rank)
+    if num_gpu_blocks_override is not None:
+        num_blocks = num_gpu_blocks_override
+    check_max_model_len_fits(groups, num_blocks, max_model_len, max_num_batched_tokens, block_bytes)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
+
+
+def check_max_model_len_fits(
+    groups: Sequence[KVCacheGroupSpec], num_blocks: int, max_model_len: int, max_num_batched_tokens: int,
+    block_bytes: int,
+) -> None:
+    usable = num_blocks - 1  # block 0 is the null block
+    if blocks_per_request(groups, max_model_len, max_num_batched_tokens) <= usable:
+        return
+    lo, hi = 0, max_model_len  # largest length that fits, by bisection
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if blocks_per_request(groups, mid, max_num_batched_tokens) <= usable:
+            lo = mid
+        else:
+            hi = mid - 1
+    needed = blocks_per_request(groups, max_model_len, max_num_batched_tokens) * block_bytes
+    raise KVCacheSizingError(
+        f"One request of max_model_len={max_model_len} tokens needs {needed / GiB:.2f} GiB of KV cache, more than "
+        f"the {usable * block_bytes / GiB:.2f} GiB available ({usable} usable blocks). The estimated maximum "
+        f"model length is {lo}. Lower --max-model-len or give the KV cache more memory."
+    )
+
+
+def capacity_line(kv_cache_config: KVCacheConfig, max_model_len: int, max_num_batched_tokens: int) -> str:
+    """The start-up capacity log line. Counts all blocks, the null block included."""
+    groups = kv_cache_config.kv_cache_groups
+    block_size = groups[0].kv_cache_spec.block_size
+    num_tokens = kv_cache_config.num_blocks // len(groups) * block_size
+    concurrency = kv_cache_config.num_blocks / blocks_per_request(groups, max_model_len, max_num_batched_tokens)
+    return (
+        f"KV cache size: {num_tokens:,} tokens, "
+        f"maximum concurrency for {max_model_len:,} tokens per request: {concurrency:.2f}x"
+    )
