@@ -24,7 +24,8 @@ class KVCacheBlocks:
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    """Counted in tokens: a query is a request's tokens looked up, a hit the tokens found."""
+    """Counted in tokens at admission: a query is a request's tokens looked up, a hit the tokens found.
+    A request that waits and retries is counted once, when it is admitted."""
 
     requests: int = 0
     queries: int = 0
@@ -59,10 +60,6 @@ class KVCacheManager:
             return KVCacheBlocks(self._no_blocks), 0
         max_cache_hit_length = request.num_tokens - 1
         hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(request.block_hashes, max_cache_hit_length)
-        stats = self.prefix_cache_stats
-        stats.requests += 1
-        stats.queries += request.num_tokens
-        stats.hits += num_hit_tokens
         return KVCacheBlocks(hits), num_hit_tokens
 
     def allocate_slots(
@@ -110,6 +107,11 @@ class KVCacheManager:
         new_blocks = self.coordinator.allocate_new_blocks(request.request_id, num_tokens_need_slot)
         if self.enable_caching:  # lookahead slots hold no real tokens yet
             self.coordinator.cache_blocks(request, min(num_computed_tokens + num_new_tokens, request.num_tokens))
+            if new_computed_blocks is not None:  # an admission: count its lookup once, not per retry
+                stats = self.prefix_cache_stats
+                stats.requests += 1
+                stats.queries += request.num_tokens
+                stats.hits += num_new_computed_tokens
         return KVCacheBlocks(new_blocks)
 
     def free(self, request: Request) -> None:
