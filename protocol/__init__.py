@@ -20,6 +20,7 @@ from protocol.messages import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    SchedulerStats,
     Shutdown,
     WorkerError,
     WorkerKVReport,

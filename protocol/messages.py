@@ -41,6 +41,7 @@ class EngineCoreOutput(msgspec.Struct, **_struct):
 class EngineCoreOutputs(msgspec.Struct, **_struct):
     outputs: list[EngineCoreOutput]
     timestamp: float = 0.0
+    stats: "SchedulerStats | None" = None
 
 
 # ---- engine core -> workers -----------------------------------------------------------------
@@ -100,6 +101,7 @@ class WorkerKVReport(msgspec.Struct, tag=True, **_struct):
     kv_cache_specs: dict[str, KVCacheSpec]  # layer name -> spec (this rank's KV heads)
     eos_token_ids: list[int]
     max_position_embeddings: int
+    vocab_size: int
     memory_detail: str = ""  # the terms of the budget, for the start-up log
 
 
@@ -120,3 +122,21 @@ class WorkerError(msgspec.Struct, tag=True, **_struct):
 
 
 WorkerToEngine = WorkerKVReport | WorkerReady | ModelRunnerOutput | WorkerError
+
+
+class SchedulerStats(msgspec.Struct, **_struct):
+    """A snapshot of the engine core after one step; counters are totals since start-up."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_blocks_held: int = 0  # blocks referenced by running requests
+    num_cached_free_blocks: int = 0  # free, but still hold a cached prefix (evictable)
+    num_tokens_stored: int = 0  # computed tokens of running requests: occupancy = stored / (held * block size)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    step: int = 0

@@ -25,12 +25,11 @@ class KVCacheBlocks:
 @dataclass(slots=True)
 class PrefixCacheStats:
     """Counted in tokens at admission: a query is a request's tokens looked up, a hit the tokens found.
-    A request that waits and retries is counted once, when it is admitted."""
+    A request that waits and retries is counted once, when it is admitted. Totals since start-up."""
 
     requests: int = 0
     queries: int = 0
     hits: int = 0
-    reset: bool = False
 
 
 class KVCacheManager:
@@ -130,15 +129,7 @@ class KVCacheManager:
         return self.block_pool.get_usage()
 
     def reset_prefix_cache(self) -> bool:
-        if not self.block_pool.reset_prefix_cache():
-            return False
-        self.prefix_cache_stats.reset = True
-        return True
-
-    def make_prefix_cache_stats(self) -> PrefixCacheStats:
-        """Stats since the last call."""
-        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
-        return stats
+        return self.block_pool.reset_prefix_cache()
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.block_pool.take_events()

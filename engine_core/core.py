@@ -1,0 +1,83 @@
+"""EngineCore: start-up sizing, then schedule -> execute -> update, one step at a time."""
+
+import dataclasses
+import logging
+import time
+
+from engine_core.config import SchedulerConfig
+from engine_core.executor import Executor
+from engine_core.kv_cache.planning import GiB, KVCacheSizingError, capacity_line, get_kv_cache_config
+from engine_core.scheduler import Scheduler
+from protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, KVCacheConfig, SchedulerStats, WorkerKVReport
+
+logger = logging.getLogger(__name__)
+
+
+def plan_kv_cache(config: SchedulerConfig, reports: list[WorkerKVReport]) -> tuple[SchedulerConfig, KVCacheConfig]:
+    """Resolve max_model_len and size the cache: the minimum block count across ranks."""
+    specs = reports[0].kv_cache_specs
+    for report in reports[1:]:
+        if report.kv_cache_specs != specs:
+            raise KVCacheSizingError(f"rank {report.rank} reports other KV cache specs than rank 0")
+    max_positions = min(r.max_position_embeddings for r in reports)
+    if config.max_model_len is None:
+        config = dataclasses.replace(config, max_model_len=max_positions)
+    elif config.max_model_len > max_positions:
+        raise KVCacheSizingError(
+            f"--max-model-len {config.max_model_len} exceeds the model's max_position_embeddings ({max_positions})"
+        )
+    for r in reports:
+        logger.info("Rank %d can give the KV cache %.3f GiB (%s)", r.rank, r.available_kv_bytes / GiB, r.memory_detail)
+    kv_cache_config = get_kv_cache_config(
+        specs,
+        [r.available_kv_bytes for r in reports],
+        config.max_model_len,
+        config.max_num_batched_tokens,
+        config.num_gpu_blocks_override,
+    )
+    logger.info(
+        "KV cache: %d blocks of %d tokens in %d group(s) (minimum across %d rank(s)%s)",
+        kv_cache_config.num_blocks,
+        config.block_size,
+        len(kv_cache_config.kv_cache_groups),
+        len(reports),
+        ", overridden by --num-gpu-blocks-override" if config.num_gpu_blocks_override else "",
+    )
+    logger.info(capacity_line(kv_cache_config, config.max_model_len, config.max_num_batched_tokens))
+    return config, kv_cache_config
+
+
+class EngineCore:
+    def __init__(self, config: SchedulerConfig, executor: Executor) -> None:
+        self.executor = executor
+        reports = executor.determine_available_memory()
+        self.config, self.kv_cache_config = plan_kv_cache(config, reports)
+        executor.initialize_kv_cache(self.kv_cache_config)
+        self.scheduler = Scheduler(self.config, self.kv_cache_config, reports[0].eos_token_ids, reports[0].vocab_size)
+        self._pending: list[EngineCoreOutput] = []  # rejections and aborts, sent with the next step
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        rejected = self.scheduler.add_request(request)
+        if rejected is not None:
+            self._pending.append(rejected)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._pending.extend(self.scheduler.abort_requests(request_ids))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests() or bool(self._pending)
+
+    def step(self) -> EngineCoreOutputs:
+        outputs, self._pending = self._pending, []
+        if self.scheduler.has_requests():
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.total_num_scheduled_tokens:
+                model_output = self.executor.execute_model(scheduler_output)
+                outputs += self.scheduler.update_from_output(scheduler_output, model_output)
+        return EngineCoreOutputs(outputs, time.time())
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,94 @@
+"""A model-free executor: tokens are a deterministic function of each request's token history.
+
+It follows SchedulerOutputs exactly as a worker does (token histories, block tables rebuilt from
+full lists and appended ids) and checks them, so tests and simulations exercise the real
+protocol without a model.
+"""
+
+from protocol import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    WorkerKVReport,
+    block_ids_digest,
+)
+
+
+def reference_next_token(token_ids: list[int], vocab_size: int) -> int:
+    """Depends only on the history, so recompute after preemption gives the same token."""
+    return (token_ids[-1] * 31 + len(token_ids) * 7 + 3) % vocab_size
+
+
+class ReferenceExecutor:
+    def __init__(
+        self,
+        available_kv_bytes: list[int] | None = None,
+        kv_cache_specs: dict[str, KVCacheSpec] | None = None,
+        vocab_size: int = 1024,
+        eos_token_ids: list[int] | None = None,
+        max_position_embeddings: int = 4096,
+    ) -> None:
+        self.available_kv_bytes = available_kv_bytes or [1 << 30]
+        self.kv_cache_specs = kv_cache_specs or {"layer.0": FullAttentionSpec(16, 1, 8, 2)}
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids or []
+        self.max_position_embeddings = max_position_embeddings
+        self.kv_cache_config: KVCacheConfig | None = None
+        self.token_ids: dict[str, list[int]] = {}
+        self.num_computed_tokens: dict[str, int] = {}
+        self.block_tables: dict[str, list[list[int]]] = {}
+
+    def determine_available_memory(self) -> list[WorkerKVReport]:
+        return [
+            WorkerKVReport(
+                rank=rank,
+                available_kv_bytes=available,
+                kv_cache_specs=self.kv_cache_specs,
+                eos_token_ids=self.eos_token_ids,
+                max_position_embeddings=self.max_position_embeddings,
+                vocab_size=self.vocab_size,
+                memory_detail="reference executor: fixed budget",
+            )
+            for rank, available in enumerate(self.available_kv_bytes)
+        ]
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self.kv_cache_config = kv_cache_config
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in [*so.finished_req_ids, *so.preempted_req_ids]:
+            self.token_ids.pop(req_id, None)
+            self.num_computed_tokens.pop(req_id, None)
+            self.block_tables.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.token_ids[new.req_id] = [*new.prompt_token_ids, *new.output_token_ids]
+            self.block_tables[new.req_id] = [list(group) for group in new.block_ids]
+            self.num_computed_tokens[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for req_id, new_ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            if computed != self.num_computed_tokens[req_id]:
+                raise RuntimeError(f"{req_id}: engine says {computed} computed tokens, executor has "
+                                   f"{self.num_computed_tokens[req_id]}")
+            if new_ids is not None:
+                for table, ids in zip(self.block_tables[req_id], new_ids):
+                    table.extend(ids)
+        if so.block_table_digests is not None:
+            for req_id, digest in so.block_table_digests.items():
+                if block_ids_digest(self.block_tables[req_id]) != digest:
+                    raise RuntimeError(f"block table of {req_id} differs from the ledger at step {so.step}")
+        req_ids, sampled = [], []
+        for req_id, num_tokens in so.num_scheduled_tokens.items():
+            tokens = self.token_ids[req_id]
+            self.num_computed_tokens[req_id] += num_tokens
+            new = []
+            if self.num_computed_tokens[req_id] == len(tokens):
+                new = [reference_next_token(tokens, self.vocab_size)]
+                tokens.extend(new)
+            req_ids.append(req_id)
+            sampled.append(new)
+        return ModelRunnerOutput(step=so.step, req_ids=req_ids, sampled_token_ids=sampled)
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,312 @@
+"""The scheduler: one token budget per step, running requests first, then waiting ones.
+
+There are no prefill or decode phases. Each step every request gets as many of its uncomputed
+tokens as the budget allows, so long prompts are prefilled in chunks beside decoding requests.
+When a running request cannot get a block, the newest running request (or, with the priority
+policy, the least important) is preempted: its blocks are freed and it is recomputed later.
+"""
+
+import logging
+from collections.abc import Iterable
+
+from engine_core.config import SchedulerConfig
+from engine_core.kv_cache.hashing import get_hash_fn, get_request_block_hasher
+from engine_core.kv_cache.manager import KVCacheBlocks, KVCacheManager
+from engine_core.kv_cache.planning import blocks_per_request
+from engine_core.request import FINISH_REASON, Request, RequestStatus
+from engine_core.request_queue import make_request_queue
+from protocol import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    KVCacheConfig,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+    block_ids_digest,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_config: KVCacheConfig,
+        eos_token_ids: Iterable[int] = (),
+        vocab_size: int | None = None,
+    ) -> None:
+        self.config = config
+        self.kv_cache_config = kv_cache_config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.kv_cache_manager = KVCacheManager(
+            kv_cache_config,
+            max_model_len=config.max_model_len,
+            enable_caching=config.enable_prefix_caching,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            watermark=config.watermark,
+            enable_kv_cache_events=config.enable_kv_cache_events,
+        )
+        self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.block_hasher = (
+            get_request_block_hasher(self.block_size, get_hash_fn(config.prefix_cache_hash))
+            if config.enable_prefix_caching
+            else None
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_request_queue(config.scheduling_policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # since the last step, for the workers
+        self.step = 0
+        self.stats = SchedulerStats()
+        self.num_usable_blocks = kv_cache_config.num_blocks - 1
+
+    # ---- requests in and out ---------------------------------------------------------------
+
+    def add_request(self, req: EngineCoreRequest) -> EngineCoreOutput | None:
+        """Queue a request, or return its error output if it can never run."""
+        error = self._validate(req)
+        if error is not None:
+            logger.warning("Rejected request %s: %s", req.request_id, error)
+            return EngineCoreOutput(req.request_id, [], finish_reason="error", error=error)
+        request = Request(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            req.arrival_time,
+            req.cache_salt,
+            req.priority,
+            self.block_hasher,
+        )
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+        return None
+
+    def _validate(self, req: EngineCoreRequest) -> str | None:
+        if req.request_id in self.requests:
+            return f"request id {req.request_id!r} is already in use"
+        num_prompt = len(req.prompt_token_ids)
+        if num_prompt == 0:
+            return "the prompt is empty"
+        if num_prompt > self.config.max_model_len:
+            return f"the prompt has {num_prompt} tokens, more than max_model_len={self.config.max_model_len}"
+        if self.vocab_size is not None and not all(0 <= t < self.vocab_size for t in req.prompt_token_ids):
+            return f"the prompt has token ids outside the vocabulary [0, {self.vocab_size})"
+        full_len = min(num_prompt + req.sampling_params.max_tokens, self.config.max_model_len)
+        needed = blocks_per_request(self.kv_cache_config.kv_cache_groups, full_len, self.config.max_num_batched_tokens)
+        if needed > self.num_usable_blocks:
+            return (
+                f"the request needs {needed} KV blocks for {full_len} tokens, more than the whole cache "
+                f"({self.num_usable_blocks} blocks); lower max_tokens or the prompt length"
+            )
+        return None
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            outputs.append(EngineCoreOutput(request_id, [], "abort", max(request.num_cached_tokens, 0)))
+        return outputs
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def has_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's tokens. Nothing scheduled is a valid answer."""
+        budget = self.config.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_blocks: dict[str, KVCacheBlocks] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new_tokens <= 0:
+                i += 1
+                continue
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            while blocks is None:
+                victim = self._pick_victim()
+                if victim in scheduled_running:  # priority policy may pick one already scheduled
+                    scheduled_running.remove(victim)
+                    budget += num_scheduled_tokens.pop(victim.request_id)
+                    del new_blocks[victim.request_id]
+                    i -= 1
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if blocks is None:
+                continue  # request itself was preempted; self.running shrank under index i
+            scheduled_running.append(request)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            new_blocks[request.request_id] = blocks
+            budget -= num_new_tokens
+            i += 1
+
+        # New admissions only when nobody had to make room this step.
+        while not preempted and len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
+            blocks = self.kv_cache_manager.allocate_slots(
+                request,
+                num_new_tokens,
+                num_hit_tokens,
+                hits,
+                full_sequence_must_fit=True,
+                has_scheduled_reqs=bool(self.running),
+            )
+            if blocks is None:
+                break  # first come first served: nobody overtakes the head of the queue
+            self.waiting.pop()
+            self.running.append(request)
+            scheduled_new.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            budget -= num_new_tokens
+
+        return self._make_output(scheduled_new, scheduled_running, new_blocks, num_scheduled_tokens, preempted)
+
+    def _pick_victim(self) -> Request:
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    def _make_output(
+        self,
+        scheduled_new: list[Request],
+        scheduled_running: list[Request],
+        new_blocks: dict[str, KVCacheBlocks],
+        num_scheduled_tokens: dict[str, int],
+        preempted: list[Request],
+    ) -> SchedulerOutput:
+        manager = self.kv_cache_manager
+        new_reqs = [
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=list(r.output_token_ids),
+                sampling_params=r.sampling_params,
+                block_ids=manager.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in scheduled_new
+        ]
+        cached = CachedRequestData(
+            req_ids=[r.request_id for r in scheduled_running],
+            new_block_ids=[
+                ids if any(ids) else None for ids in (new_blocks[r.request_id].get_block_ids() for r in scheduled_running)
+            ],
+            num_computed_tokens=[r.num_computed_tokens for r in scheduled_running],
+        )
+        digests = None
+        if self.config.check_block_tables:
+            digests = {rid: block_ids_digest(manager.get_block_ids(rid)) for rid in num_scheduled_tokens}
+        total = sum(num_scheduled_tokens.values())
+        finished: list[str] = []
+        if total:  # finished ids wait for a step the workers actually run
+            self.step += 1
+            finished, self.finished_req_ids = sorted(self.finished_req_ids), set()
+        for r in scheduled_new + scheduled_running:  # tokens count as computed once scheduled
+            r.num_computed_tokens += num_scheduled_tokens[r.request_id]
+        return SchedulerOutput(
+            step=self.step,
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=finished,
+            preempted_req_ids=[r.request_id for r in preempted],
+            block_table_digests=digests,
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, finish requests that are done, and say what each client gets."""
+        sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
+        outputs = []
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            token_ids = sampled.get(req_id)
+            if not token_ids:
+                continue  # a prefill chunk: nothing sampled yet
+            if request.num_output_tokens == 0:
+                self.stats.num_prompt_tokens += request.num_prompt_tokens
+            new_token_ids, status = self._append_tokens(request, token_ids)
+            self.stats.num_generation_tokens += len(new_token_ids)
+            reason = None
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+                reason = FINISH_REASON[status]
+            outputs.append(EngineCoreOutput(req_id, new_token_ids, reason, request.num_cached_tokens))
+        return outputs
+
+    def _append_tokens(self, request: Request, token_ids: list[int]) -> tuple[list[int], RequestStatus | None]:
+        params = request.sampling_params
+        for n, token in enumerate(token_ids, 1):
+            request.append_output_token_ids([token])
+            if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+                return token_ids[:n], RequestStatus.FINISHED_STOPPED
+            if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+                return token_ids[:n], RequestStatus.FINISHED_LENGTH_CAPPED
+        return token_ids, None
+
+    def make_stats(self) -> SchedulerStats:
+        manager = self.kv_cache_manager
+        pool = manager.block_pool
+        stats = self.stats
+        prefix = manager.prefix_cache_stats
+        held = set()
+        for request in self.running:
+            for group in manager.get_blocks(request.request_id).blocks:
+                held.update(b.block_id for b in group if not b.is_null)
+        stats.num_running_reqs = len(self.running)
+        stats.num_waiting_reqs = len(self.waiting)
+        stats.kv_cache_usage = manager.get_usage()
+        stats.num_free_blocks = manager.get_num_free_blocks()
+        stats.num_blocks_held = len(held)
+        stats.num_cached_free_blocks = sum(1 for b in pool.free_block_queue.get_all_free_blocks() if b.block_hash)
+        stats.num_tokens_stored = sum(r.num_computed_tokens for r in self.running)
+        stats.prefix_cache_queries = prefix.queries
+        stats.prefix_cache_hits = prefix.hits
+        stats.step = self.step
+        return SchedulerStats(**{f: getattr(stats, f) for f in stats.__struct_fields__})
