@@ -3,12 +3,23 @@
 import msgspec
 
 
+def _check_positive(spec: msgspec.Struct, *names: str) -> None:
+    for name in names:
+        if getattr(spec, name) < 1:
+            raise ValueError(f"{type(spec).__name__}.{name} must be at least 1, got {getattr(spec, name)}")
+    if spec.head_size_v < 0:
+        raise ValueError(f"{type(spec).__name__}.head_size_v must be >= 0, got {spec.head_size_v}")
+
+
 class FullAttentionSpec(msgspec.Struct, frozen=True, tag=True, array_like=True):
     block_size: int
     num_kv_heads: int  # per tensor-parallel rank
     head_size: int
     dtype_bytes: int
     head_size_v: int = 0  # 0 means equal to head_size
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "block_size", "num_kv_heads", "head_size", "dtype_bytes")
 
     @property
     def page_size_bytes(self) -> int:
@@ -26,6 +37,9 @@ class SlidingWindowSpec(msgspec.Struct, frozen=True, tag=True, array_like=True):
     head_size_v: int = 0
 
     page_size_bytes = FullAttentionSpec.page_size_bytes
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "block_size", "num_kv_heads", "head_size", "dtype_bytes", "sliding_window")
 
 
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec

@@ -1,5 +1,7 @@
 """Every message that crosses a process boundary. Tagged unions let one decoder read one socket."""
 
+from typing import Literal
+
 import msgspec
 
 from protocol.kv_cache_spec import KVCacheConfig, KVCacheSpec
@@ -27,21 +29,39 @@ ClientMessage = EngineCoreRequest | EngineCoreAbort
 
 # ---- engine core -> client ------------------------------------------------------------------
 
-FINISH_REASONS = ("length", "stop", "abort", "error")
+FinishReason = Literal["length", "stop", "abort", "error"]
 
 
 class EngineCoreOutput(msgspec.Struct, **_struct):
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # one of FINISH_REASONS once finished
+    finish_reason: FinishReason | None = None  # set once the request is finished
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # why the request was rejected or failed
+
+
+class SchedulerStats(msgspec.Struct, **_struct):
+    """A snapshot of the engine core after one step; counters are totals since start-up."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_blocks_held: int = 0  # blocks referenced by running requests
+    num_cached_free_blocks: int = 0  # free, but still hold a cached prefix (evictable)
+    num_tokens_stored: int = 0  # computed tokens of running requests: occupancy = stored / (held * block size)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    step: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, **_struct):
     outputs: list[EngineCoreOutput]
     timestamp: float = 0.0
-    stats: "SchedulerStats | None" = None
+    stats: SchedulerStats | None = None
 
 
 # ---- engine core -> workers -----------------------------------------------------------------
@@ -64,6 +84,10 @@ class CachedRequestData(msgspec.Struct, **_struct):
     req_ids: list[str] = []
     new_block_ids: list[list[list[int]] | None] = []  # per request: per group, or None
     num_computed_tokens: list[int] = []
+
+    def __post_init__(self) -> None:
+        if not len(self.req_ids) == len(self.new_block_ids) == len(self.num_computed_tokens):
+            raise ValueError("CachedRequestData columns differ in length")
 
 
 class SchedulerOutput(msgspec.Struct, tag=True, **_struct):
@@ -123,20 +147,3 @@ class WorkerError(msgspec.Struct, tag=True, **_struct):
 
 WorkerToEngine = WorkerKVReport | WorkerReady | ModelRunnerOutput | WorkerError
 
-
-class SchedulerStats(msgspec.Struct, **_struct):
-    """A snapshot of the engine core after one step; counters are totals since start-up."""
-
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    kv_cache_usage: float = 0.0
-    num_free_blocks: int = 0
-    num_blocks_held: int = 0  # blocks referenced by running requests
-    num_cached_free_blocks: int = 0  # free, but still hold a cached prefix (evictable)
-    num_tokens_stored: int = 0  # computed tokens of running requests: occupancy = stored / (held * block size)
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    step: int = 0

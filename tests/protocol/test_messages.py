@@ -69,9 +69,7 @@ EXPECTED_NAMES = {
 
 
 def kv_report(**kw) -> WorkerKVReport:
-    """WorkerKVReport by keyword; fills fields added after these tests were written (vocab_size) if they exist."""
-    if "vocab_size" in WorkerKVReport.__struct_fields__:
-        kw.setdefault("vocab_size", 32000)
+    kw.setdefault("vocab_size", 32000)
     return WorkerKVReport(**kw)
 
 
@@ -122,13 +120,9 @@ SAMPLES = [
             timestamp=12.5,
         ),
     ),
-    *(
-        [("outputs", "outputs-with-stats", EngineCoreOutputs([EngineCoreOutput("r", [1])], 1.0, stats=protocol.SchedulerStats(
-            num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.25, prefix_cache_queries=100,
-            prefix_cache_hits=40, num_preemptions=2, step=9)))]
-        if hasattr(protocol, "SchedulerStats")  # added to EngineCoreOutputs after these tests were first written
-        else []
-    ),
+    ("outputs", "outputs-with-stats", EngineCoreOutputs([EngineCoreOutput("r", [1])], 1.0, stats=protocol.SchedulerStats(
+        num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.25, prefix_cache_queries=100,
+        prefix_cache_hits=40, num_preemptions=2, step=9))),
     # ---- engine core -> workers
     ("engine_to_worker", "sched-empty-step", SchedulerOutput(0, [], CachedRequestData(), {}, 0)),
     (
@@ -563,23 +557,19 @@ def test_protocol_error_is_exported():
     assert issubclass(ProtocolError, ValueError)
 
 
-# ---- known gaps: semantic checks the codec does not make yet (strict xfail: fixing one flips the test) --
+# ---- semantic checks beyond types ----
 
 
-@pytest.mark.xfail(strict=True, reason="EngineCoreOutput.finish_reason is `str | None`, not limited to FINISH_REASONS")
 def test_unknown_finish_reason_rejected():
     assert_rejected("outputs", msgspec.msgpack.encode([[["r", [1], "exploded"]]]))
 
 
-@pytest.mark.xfail(strict=True, reason="CachedRequestData columns of different lengths decode; a worker zip()ping them "
-                   "would silently apply part of the step")
 def test_cached_request_data_ragged_columns_rejected():
     assert_rejected("engine_to_worker", msgspec.msgpack.encode(["SchedulerOutput", 1, [], [["a", "b"], [None], []], {}, 2]))
 
 
-@pytest.mark.xfail(strict=True, reason="KV cache specs are not validated: block_size/num_kv_heads/head_size/dtype_bytes 0 "
-                   "decode, giving page_size_bytes 0 (the engine divides available bytes by it)")
 def test_zero_sized_spec_rejected():
-    report = kv_report(rank=0, available_kv_bytes=100, kv_cache_specs={"l": FullAttentionSpec(0, 0, 0, 0)},
-                       eos_token_ids=[], max_position_embeddings=1)
-    assert_rejected("worker_to_engine", CODECS["worker_to_engine"].encode(report))
+    with pytest.raises(ValueError, match="block_size must be at least 1"):
+        FullAttentionSpec(0, 1, 1, 1)
+    forged = ["WorkerKVReport", 0, 100, {"l": ["FullAttentionSpec", 0, 0, 0, 0]}, [], 1, 1024]
+    assert_rejected("worker_to_engine", msgspec.msgpack.encode(forged))
