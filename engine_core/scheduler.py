@@ -295,16 +295,19 @@ class Scheduler:
         pool = manager.block_pool
         stats = self.stats
         prefix = manager.prefix_cache_stats
-        held = set()
-        for request in self.running:
-            for group in manager.get_blocks(request.request_id).blocks:
-                held.update(b.block_id for b in group if not b.is_null)
+        held = {
+            block
+            for request in self.running
+            for group in manager.get_blocks(request.request_id).blocks
+            for block in group
+            if not block.is_null
+        }
         stats.num_running_reqs = len(self.running)
         stats.num_waiting_reqs = len(self.waiting)
         stats.kv_cache_usage = manager.get_usage()
         stats.num_free_blocks = manager.get_num_free_blocks()
         stats.num_blocks_held = len(held)
-        stats.num_cached_free_blocks = sum(1 for b in pool.free_block_queue.get_all_free_blocks() if b.block_hash)
+        stats.num_cached_free_blocks = pool.num_cached_blocks - sum(1 for b in held if b.block_hash is not None)
         stats.num_tokens_stored = sum(r.num_computed_tokens for r in self.running)
         stats.prefix_cache_queries = prefix.queries
         stats.prefix_cache_hits = prefix.hits

@@ -73,6 +73,7 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.kv_event_queue: list[KVCacheEvent] = []
+        self.num_cached_blocks = 0  # blocks with a hash, held or free
 
     def get_cached_block(self, block_hash: BlockHash, kv_cache_group_ids: list[int]) -> list[KVCacheBlock] | None:
         """The cached block for this hash in every group given, or None if any group misses."""
@@ -104,6 +105,7 @@ class BlockPool:
             block.block_hash = key
             self.cached_block_hash_to_block.insert(key, block)
             stored.append(block_hash)
+        self.num_cached_blocks += len(stored)
         if self.enable_kv_cache_events and stored:
             first = num_full_blocks - len(stored)
             self.kv_event_queue.append(
@@ -131,6 +133,7 @@ class BlockPool:
         key = block.block_hash
         self.cached_block_hash_to_block.pop(key, block.block_id)
         block.reset_hash()
+        self.num_cached_blocks -= 1
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(
                 BlockRemoved(block_hashes=[get_block_hash(key)], group_id=int.from_bytes(key[-4:], "big"))
@@ -178,6 +181,7 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.reset_hash()
+        self.num_cached_blocks = 0
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
         logger.info("Prefix cache reset")
