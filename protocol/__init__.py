@@ -13,6 +13,7 @@ from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCa
 from protocol.messages import (
     CachedRequestData,
     EngineCoreAbort,
+    EngineCoreGetStats,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,

@@ -25,7 +25,11 @@ class EngineCoreAbort(msgspec.Struct, tag=True, **_struct):
     request_ids: list[str]
 
 
-ClientMessage = EngineCoreRequest | EngineCoreAbort
+class EngineCoreGetStats(msgspec.Struct, tag=True, **_struct):
+    """Ask for a SchedulerStats snapshot; answered by an EngineCoreOutputs with no outputs."""
+
+
+ClientMessage = EngineCoreRequest | EngineCoreAbort | EngineCoreGetStats
 
 # ---- engine core -> client ------------------------------------------------------------------
 

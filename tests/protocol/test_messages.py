@@ -59,7 +59,7 @@ CODECS = {
 
 # The names a decode error must mention for each socket: the type (or every member of the union) expected there.
 EXPECTED_NAMES = {
-    "client": ["EngineCoreRequest", "EngineCoreAbort"],
+    "client": ["EngineCoreRequest", "EngineCoreAbort", "EngineCoreGetStats"],
     "outputs": ["EngineCoreOutputs"],
     "engine_to_worker": ["SchedulerOutput", "InitKVCache", "Shutdown"],
     "worker_to_engine": ["WorkerKVReport", "WorkerReady", "ModelRunnerOutput", "WorkerError"],
@@ -101,6 +101,7 @@ SAMPLES = [
     # a None in the middle with a non-default after it (omit_defaults can only drop trailing defaults)
     ("client", "request-priority-only", EngineCoreRequest("r2", [7], SamplingParams(temperature=0.0), 0.0, priority=5)),
     ("client", "request-empty-salt", EngineCoreRequest("r3", [], SamplingParams(max_tokens=1), 2.0, cache_salt="")),
+    ("client", "get-stats", protocol.EngineCoreGetStats()),
     ("client", "request-unicode-id", EngineCoreRequest("é-🚀-\x00", [0], SamplingParams(seed=0), 3.0)),
     ("client", "abort", EngineCoreAbort(["r0", "r1"])),
     ("client", "abort-empty", EngineCoreAbort([])),

@@ -1,0 +1,138 @@
+"""MultiprocExecutor: one worker process per tensor-parallel rank, reached over one ZeroMQ ROUTER.
+
+Every SchedulerOutput is encoded once and sent to every rank in step order (ZeroMQ keeps order per
+peer). While the workers compute, the wait loop also serves other sockets (the client socket), so
+decoding new requests overlaps the forward pass. A dead worker is noticed within one poll period.
+"""
+
+import logging
+import subprocess
+import sys
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from launch.worker_config import WorkerConfig
+from protocol import (
+    InitKVCache,
+    KVCacheConfig,
+    ModelRunnerOutput,
+    ProtocolError,
+    SchedulerOutput,
+    Shutdown,
+    WorkerError,
+    WorkerKVReport,
+    WorkerReady,
+)
+from protocol.codec import engine_to_worker_codec, worker_to_engine_codec
+
+logger = logging.getLogger(__name__)
+POLL_MS = 100
+
+
+class WorkerFailedError(RuntimeError):
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(f"worker rank {rank} {message}")
+        self.rank = rank
+
+
+class MultiprocExecutor:
+    def __init__(self, ctx: zmq.Context, address: str, configs: list[WorkerConfig]) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished rank raises
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(address)
+        self.identities = [f"rank{c.rank}".encode() for c in configs]
+        self.rank_of = {identity: rank for rank, identity in enumerate(self.identities)}
+        self.encoder, self.decoder = engine_to_worker_codec(), worker_to_engine_codec()
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.handlers: dict[zmq.Socket, Callable[[], None]] = {}
+        self.procs = [
+            subprocess.Popen([sys.executable, "-m", "launch.worker_main", msgspec.json.encode(c).decode()])
+            for c in configs
+        ]
+
+    def serve_while_waiting(self, sock: zmq.Socket, handler: Callable[[], None]) -> None:
+        """Call handler whenever sock is readable during a wait for the workers."""
+        self.handlers[sock] = handler
+        self.poller.register(sock, zmq.POLLIN)
+
+    def _check_alive(self) -> None:
+        for rank, proc in enumerate(self.procs):
+            if proc.poll() is not None:
+                raise WorkerFailedError(rank, f"died (exit code {proc.returncode})")
+
+    def _recv(self, wanted: type, ranks: set[int]) -> dict[int, msgspec.Struct]:
+        """Wait for one `wanted` message from each rank in ranks."""
+        got: dict[int, msgspec.Struct] = {}
+        while len(got) < len(ranks):
+            events = dict(self.poller.poll(POLL_MS))
+            for sock, handler in self.handlers.items():
+                if sock in events:
+                    handler()
+            if self.sock not in events:
+                self._check_alive()
+                continue
+            frames = self.sock.recv_multipart()
+            rank = self.rank_of.get(frames[0])
+            try:
+                if rank is None or len(frames) != 2:
+                    raise ProtocolError(f"{len(frames)} frames from an unknown peer")
+                msg = self.decoder.decode(frames[1])
+            except ProtocolError as e:
+                logger.error("Dropped a malformed message from %r: %s", frames[0], e)
+                continue
+            if isinstance(msg, WorkerError):
+                raise WorkerFailedError(rank, f"failed: {msg.message}")
+            if isinstance(msg, wanted) and rank in ranks:
+                got[rank] = msg
+            else:
+                logger.error("Dropped an unexpected %s from %r", type(msg).__name__, identity)
+        return got
+
+    def _send_all(self, msg: msgspec.Struct) -> None:
+        payload = self.encoder.encode(msg)
+        for identity in self.identities:
+            try:
+                self.sock.send_multipart([identity, payload])
+            except zmq.ZMQError as e:
+                raise WorkerFailedError(self.rank_of[identity], f"is unreachable ({e})") from None
+
+    def determine_available_memory(self) -> list[WorkerKVReport]:
+        reports = self._recv(WorkerKVReport, set(range(len(self.procs))))
+        return [reports[rank] for rank in range(len(self.procs))]
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self._send_all(InitKVCache(kv_cache_config))
+        ready = self._recv(WorkerReady, set(range(len(self.procs))))
+        assert all(r.num_blocks == kv_cache_config.num_blocks for r in ready.values())
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._send_all(scheduler_output)
+        while True:
+            output = self._recv(ModelRunnerOutput, {0})[0]
+            if output.step == scheduler_output.step:
+                return output
+            logger.error("Dropped the output of step %d while waiting for step %d", output.step, scheduler_output.step)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Ask every worker to exit, then terminate and finally kill any that do not."""
+        try:
+            self._send_all(Shutdown())
+        except WorkerFailedError:
+            pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(2.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.sock.close()
+

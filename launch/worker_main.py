@@ -1,0 +1,76 @@
+"""Entry point of one worker process: `python -m launch.worker_main '<WorkerConfig as JSON>'`.
+
+The worker talks to the engine core over one DEALER socket: it reports its KV budget, allocates
+the cache when told the final block count, then executes every SchedulerOutput in order. Rank 0
+answers each step; any rank reports an error before it exits.
+"""
+
+import logging
+import os
+import signal
+import sys
+import traceback
+
+import msgspec
+import zmq
+
+from launch.worker_config import WorkerConfig
+from protocol import InitKVCache, ProtocolError, SchedulerOutput, Shutdown, WorkerError
+from protocol.codec import engine_to_worker_codec, worker_to_engine_codec
+
+logger = logging.getLogger("kvengine.worker")
+PARENT_CHECK_MS = 500
+
+
+def main() -> int:
+    config = msgspec.json.decode(sys.argv[1], type=WorkerConfig)
+    logging.basicConfig(level=config.log_level, format=f"%(asctime)s %(levelname)s [rank {config.rank}] %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the engine core decides
+    parent = os.getppid()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"rank{config.rank}".encode())
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(config.engine_address)
+    to_engine, from_engine = worker_to_engine_codec(), engine_to_worker_codec()
+    worker = None
+    try:
+        import torch
+
+        torch.set_num_threads(config.torch_threads)
+        from worker.worker import Worker
+
+        worker = Worker(**config.worker_kwargs())
+        sock.send(to_engine.encode(worker.report_kv()))
+        while True:
+            if not sock.poll(PARENT_CHECK_MS):
+                if os.getppid() != parent:
+                    logger.error("The engine core is gone; exiting")
+                    return 1
+                continue
+            try:
+                msg = from_engine.decode(sock.recv())
+            except ProtocolError as e:
+                logger.error("Dropped a malformed message: %s", e)
+                continue
+            if isinstance(msg, SchedulerOutput):
+                output = worker.execute_model(msg)
+                if config.rank == 0:
+                    sock.send(to_engine.encode(output))
+            elif isinstance(msg, InitKVCache):
+                sock.send(to_engine.encode(worker.init_kv_cache(msg.kv_cache_config)))
+            elif isinstance(msg, Shutdown):
+                return 0
+    except Exception as e:
+        logger.error("Worker failed: %s", e)
+        sock.send(to_engine.encode(WorkerError(config.rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
+        return 1
+    finally:
+        if worker is not None:
+            worker.shutdown()
+        sock.close()
+        ctx.term()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
