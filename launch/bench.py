@@ -1,0 +1,174 @@
+"""`kvengine bench`: a request-feeding load generator with a results table.
+
+Connects to a running server, or starts its own with the engine flags. Workloads: random prompts,
+prompts sharing a prefix, and multi-turn conversations whose every turn resends the history.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from tqdm import tqdm
+
+from launch.args import add_engine_args, engine_flags_from_args
+from launch.client import AsyncEngineClient, install_uvloop
+from launch.local_server import LocalServer
+from protocol import SamplingParams, SchedulerStats
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="load-test a server and print throughput and latency",
+                       description="Without --connect, starts its own server with the engine flags below.")
+    p.add_argument("--connect", metavar="ADDRESS", default=None, help="address of a running `kvengine serve`")
+    p.add_argument("--workload", choices=["random", "shared-prefix", "multi-turn"], default="random")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests (multi-turn: conversations)")
+    p.add_argument("--input-len", type=int, default=512, help="prompt tokens (shared-prefix: prefix included)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request (EOS ignored)")
+    p.add_argument("--prefix-len", type=int, default=384, help="shared-prefix: tokens every prompt starts with")
+    p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    p.add_argument("--vocab-size", type=int, default=1024, help="random token ids are drawn below this")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--request-rate", type=float, default=float("inf"),
+                      help="Poisson arrivals per second (default: all at once)")
+    load.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--server-log", default=None, help="write the started server's log here (default: stderr)")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_bench)
+
+
+@dataclass
+class RequestResult:
+    ttft: float
+    latency: float
+    output_tokens: int
+    finish_reason: str | None
+    itls: list[float] = field(default_factory=list)
+
+
+def make_prompts(args: argparse.Namespace, rng: random.Random) -> list[list[int]]:
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(args.vocab_size) for _ in range(n)]
+
+    if args.workload == "shared-prefix":
+        prefix = tokens(args.prefix_len)
+        return [prefix + tokens(args.input_len - args.prefix_len) for _ in range(args.num_prompts)]
+    return [tokens(args.input_len) for _ in range(args.num_prompts)]
+
+
+async def run_one(client: AsyncEngineClient, prompt: list[int], params: SamplingParams) -> tuple[RequestResult, list[int]]:
+    start = time.perf_counter()
+    last = start
+    result = RequestResult(ttft=0.0, latency=0.0, output_tokens=0, finish_reason=None)
+    output: list[int] = []
+    async for out in client.generate(prompt, params):
+        now = time.perf_counter()
+        if out.new_token_ids:
+            if not output:
+                result.ttft = now - start
+            else:
+                result.itls.append(now - last)
+            last = now
+            output += out.new_token_ids
+        result.finish_reason = out.finish_reason
+    result.latency = time.perf_counter() - start
+    result.output_tokens = len(output)
+    return result, output
+
+
+async def drive(client: AsyncEngineClient, args: argparse.Namespace) -> tuple[list[RequestResult], float]:
+    rng = random.Random(args.seed)
+    params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True,
+                            seed=args.seed if args.temperature > 0 else None)
+    limit = asyncio.Semaphore(args.max_concurrency or 1 << 30)
+    results: list[RequestResult] = []
+    turns = args.turns if args.workload == "multi-turn" else 1
+    bar = tqdm(total=args.num_prompts * turns, desc="requests", unit="req", file=sys.stderr, disable=args.json)
+
+    async def conversation(prompt: list[int]) -> None:
+        history = prompt
+        for turn in range(turns):
+            async with limit:
+                result, output = await run_one(client, history, params)
+            results.append(result)
+            bar.update()
+            history = history + output + [rng.randrange(args.vocab_size) for _ in range(args.input_len // 4)]
+
+    start = time.perf_counter()
+    tasks = []
+    for prompt in make_prompts(args, rng):
+        tasks.append(asyncio.create_task(conversation(prompt)))
+        if args.request_rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(args.request_rate))
+    await asyncio.gather(*tasks)
+    bar.close()
+    return results, time.perf_counter() - start
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": 0.0, "p90": 0.0, "p99": 0.0}
+    if len(values) == 1:
+        return {"p50": values[0], "p90": values[0], "p99": values[0]}
+    q = statistics.quantiles(values, n=100, method="inclusive")
+    return {"p50": q[49], "p90": q[89], "p99": q[98]}
+
+
+def summarize(results: list[RequestResult], elapsed: float, before: SchedulerStats, after: SchedulerStats) -> dict:
+    out_tokens = sum(r.output_tokens for r in results)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in results if r.output_tokens > 1]
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    return {
+        "requests": len(results),
+        "failed": sum(r.finish_reason not in ("length", "stop") for r in results),
+        "duration_s": elapsed,
+        "requests_per_s": len(results) / elapsed,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / elapsed,
+        "ttft_ms": {k: v * 1000 for k, v in percentiles([r.ttft for r in results]).items()},
+        "tpot_ms": {k: v * 1000 for k, v in percentiles(tpots).items()},
+        "prefix_cache_hit_rate": (after.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else 0.0,
+        "preemptions": after.num_preemptions - before.num_preemptions,
+    }
+
+
+def format_table(summary: dict, args: argparse.Namespace) -> str:
+    rows = [
+        ("workload", f"{args.workload}, {summary['requests']} requests"),
+        ("failed requests", summary["failed"]),
+        ("duration", f"{summary['duration_s']:.2f} s"),
+        ("requests/s", f"{summary['requests_per_s']:.2f}"),
+        ("output tokens/s", f"{summary['output_tokens_per_s']:.1f}"),
+    ]
+    for name in ("ttft_ms", "tpot_ms"):
+        label = "time to first token" if name == "ttft_ms" else "time per output token"
+        rows += [(f"{label} {p} (ms)", f"{v:.2f}") for p, v in summary[name].items()]
+    rows += [("prefix-cache hit rate", f"{summary['prefix_cache_hit_rate']:.1%}"),
+             ("preemptions", summary["preemptions"])]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+async def _bench(args: argparse.Namespace) -> dict:
+    server = contextlib.nullcontext() if args.connect else LocalServer(engine_flags_from_args(args), args.server_log)
+    async with server as local:
+        async with AsyncEngineClient(args.connect or local.address) as client:
+            before = await client.get_stats()
+            results, elapsed = await drive(client, args)
+            after = await client.get_stats()
+    return summarize(results, elapsed, before, after)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    install_uvloop()
+    summary = asyncio.run(_bench(args))
+    print(json.dumps(summary, indent=2) if args.json else format_table(summary, args))
+    return 0 if summary["failed"] == 0 else 1

@@ -1,0 +1,166 @@
+"""An asyncio client for a running `kvengine serve`: many concurrent streamed requests on one socket.
+
+    async with AsyncEngineClient(address) as client:
+        async for out in client.generate([1, 2, 3], SamplingParams(max_tokens=8, temperature=0)):
+            print(out.new_token_ids, out.finish_reason)
+
+Leaving the loop early (break, cancellation) aborts the request in the engine.
+"""
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
+
+from protocol import ProtocolError, EngineCoreAbort, EngineCoreGetStats, EngineCoreRequest, SamplingParams, SchedulerStats
+from protocol.codec import client_codec, outputs_codec
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The server went away with requests in flight."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None  # "length", "stop", "abort" or "error" on the last output
+    num_cached_tokens: int
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class AsyncEngineClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._stats_waiters: list[asyncio.Future] = []
+        self._tasks: list[asyncio.Task] = []
+        self._dead: str | None = None
+        self._request_codec, self._outputs_codec = client_codec(), outputs_codec()
+
+    async def __aenter__(self) -> "AsyncEngineClient":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sock.connect(self.address)
+        self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch(monitor))]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._sock.disable_monitor()
+        self._sock.close()
+        self._ctx.term()
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; the last one has finish_reason set."""
+        self._check_alive()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in flight on this client")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        request = EngineCoreRequest(
+            request_id, list(prompt_token_ids), sampling_params or SamplingParams(), time.time(), cache_salt, priority
+        )
+        finished = False
+        try:
+            await self._sock.send(self._request_codec.encode(request))
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, EngineDeadError):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            del self._queues[request_id]
+            if not finished and self._dead is None:
+                self._sock.send(self._request_codec.encode(EngineCoreAbort([request_id])), zmq.NOBLOCK)
+
+    async def abort(self, request_id: str) -> None:
+        await self._sock.send(self._request_codec.encode(EngineCoreAbort([request_id])))
+
+    async def get_stats(self) -> SchedulerStats:
+        """A snapshot of the engine core's counters; also a readiness check (answered once it serves)."""
+        self._check_alive()
+        waiter = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(waiter)
+        await self._sock.send(self._request_codec.encode(EngineCoreGetStats()))
+        return await waiter
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    async def _read_outputs(self) -> None:
+        while True:
+            try:
+                outputs = self._outputs_codec.decode(await self._sock.recv())
+            except ProtocolError as e:
+                logger.error("Dropped a malformed message from the server: %s", e)
+                continue
+            for out in outputs.outputs:
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(RequestOutput(
+                        out.request_id, out.new_token_ids, out.finish_reason, out.num_cached_tokens, out.error
+                    ))
+            if outputs.stats is not None and self._stats_waiters:
+                self._stats_waiters.pop(0).set_result(outputs.stats)
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        """A dropped connection with requests in flight means the server is gone."""
+        try:
+            while True:
+                await recv_monitor_message(monitor)
+                self._fail(f"lost the connection to the kvengine server at {self.address}")
+        finally:
+            monitor.close()
+
+    def _fail(self, message: str) -> None:
+        self._dead = message
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(message))
+        for waiter in self._stats_waiters:
+            if not waiter.done():
+                waiter.set_exception(EngineDeadError(message))
+        self._stats_waiters.clear()
+
+
+def install_uvloop() -> None:
+    """Use uvloop's event loop where it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())

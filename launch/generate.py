@@ -1,0 +1,95 @@
+"""`kvengine generate`: send prompts to a server (or a server of its own) and print tokens as they stream."""
+
+import argparse
+import asyncio
+import contextlib
+import re
+import sys
+
+from launch.args import add_engine_args, engine_flags_from_args
+from launch.client import AsyncEngineClient, install_uvloop
+from launch.local_server import LocalServer
+from protocol import SamplingParams
+
+
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate from token-id prompts (or text, with a GGUF model's tokenizer)",
+                       description="Without --connect, starts its own server with the engine flags below.")
+    p.add_argument("--connect", metavar="ADDRESS", default=None, help="address of a running `kvengine serve`")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt-token-ids", action="append", metavar="IDS",
+                     help="a prompt as token ids, e.g. '1,2,3' (repeat for several prompts)")
+    src.add_argument("--prompts-file", metavar="FILE",
+                     help="one prompt per line, token ids separated by spaces or commas")
+    src.add_argument("--prompt", action="append", metavar="TEXT",
+                     help="a text prompt, tokenised here with the tokenizer of --model (a GGUF file)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_generate)
+
+
+def parse_token_ids(text: str) -> list[int]:
+    ids = [int(t) for t in re.split(r"[\s,]+", text.strip()) if t]
+    if not ids:
+        raise ValueError(f"no token ids in {text!r}")
+    return ids
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    tokenizer = None
+    if args.prompt:
+        if not args.model:
+            print("kvengine generate: --prompt needs --model with a tokenizer (a GGUF file)", file=sys.stderr)
+            return 2
+        from worker.model.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(args.model)
+        prompts = [tokenizer.encode(text) for text in args.prompt]
+    elif args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts = [parse_token_ids(line) for line in f if line.strip()]
+    else:
+        prompts = [parse_token_ids(text) for text in args.prompt_token_ids]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    install_uvloop()
+    return asyncio.run(_generate(args, prompts, params, tokenizer))
+
+
+async def _generate(args: argparse.Namespace, prompts: list[list[int]], params: SamplingParams, tokenizer) -> int:
+    server = contextlib.nullcontext() if args.connect else LocalServer(engine_flags_from_args(args))
+    async with server as local:
+        address = args.connect or local.address
+        async with AsyncEngineClient(address) as client:
+            results = await asyncio.gather(*(
+                _stream(client, i, prompt, params, tokenizer, len(prompts) > 1) for i, prompt in enumerate(prompts)
+            ))
+    return 0 if all(r in ("length", "stop") for r in results) else 1
+
+
+async def _stream(client: AsyncEngineClient, index: int, prompt: list[int], params: SamplingParams, tokenizer,
+                  tag: bool) -> str | None:
+    prefix = f"[{index}] " if tag else ""
+    tokens: list[int] = []
+    async for out in client.generate(prompt, params):
+        tokens += out.new_token_ids
+        if tokenizer is None:
+            text = " ".join(map(str, out.new_token_ids))
+            print(f"{prefix}{text}" if tag else text, end="\n" if tag else " ", flush=True)
+        elif not tag:
+            print(tokenizer.decode(out.new_token_ids), end="", flush=True)
+        if out.finished:
+            if not tag:
+                print()
+            if tag and tokenizer is not None:
+                print(f"{prefix}{tokenizer.decode(tokens)}")
+            note = f" ({out.error})" if out.error else ""
+            print(f"{prefix}finished: {out.finish_reason}, {len(tokens)} tokens, "
+                  f"{out.num_cached_tokens} prompt tokens from the prefix cache{note}", file=sys.stderr)
+            return out.finish_reason
+    return None

@@ -1,0 +1,202 @@
+"""`kvengine serve`: the EngineCore process. It spawns one worker per rank and serves clients.
+
+Clients talk to one ROUTER socket; each request belongs to the client that sent it, so its
+outputs go back there, and a client that disconnects has its requests aborted.
+"""
+
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from engine_core.config import SchedulerConfig
+from engine_core.core import EngineCore
+from engine_core.kv_cache.planning import KVCacheSizingError
+from launch.executor import MultiprocExecutor, WorkerFailedError
+from launch.stats_log import StatsLogger
+from launch.worker_config import WorkerConfig
+from protocol import (
+    EngineCoreAbort,
+    EngineCoreGetStats,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ProtocolError,
+)
+from protocol.codec import client_codec, outputs_codec
+
+logger = logging.getLogger("kvengine.serve")
+
+
+@dataclass
+class ServeConfig:
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    model: str | None = None
+    tensor_parallel_size: int = 1
+    device: str = "cpu"
+    dtype: str = "auto"
+    kv_cache_memory_bytes: list[int] | None = None  # one value for all ranks, or one per rank
+    gpu_memory_utilization: float = 0.92
+    address: str | None = None  # None: an ipc:// path unique to this server
+    stats_interval: float = 5.0
+    log_level: str = "INFO"
+
+    def worker_configs(self, engine_address: str, dist_init_method: str) -> list[WorkerConfig]:
+        tp = self.tensor_parallel_size
+        budgets = self.kv_cache_memory_bytes or [None]
+        if len(budgets) not in (1, tp):
+            raise ValueError(f"--kv-cache-memory-bytes takes one value or {tp} (one per rank), got {len(budgets)}")
+        threads = max(1, (os.cpu_count() or 1) // tp) if self.device == "cpu" else 1
+        return [
+            WorkerConfig(
+                rank=rank,
+                tp_size=tp,
+                engine_address=engine_address,
+                dist_init_method=dist_init_method,
+                model=self.model,
+                device=self.device,
+                dtype=self.dtype,
+                block_size=self.scheduler.block_size,
+                max_num_seqs=self.scheduler.max_num_seqs,
+                max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
+                max_model_len=self.scheduler.max_model_len,
+                kv_cache_memory_bytes=budgets[rank % len(budgets)],
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                check_block_tables=self.scheduler.check_block_tables,
+                torch_threads=threads,
+                log_level=self.log_level,
+            )
+            for rank in range(tp)
+        ]
+
+
+class EngineServer:
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.stopping = False
+        self.owners: dict[str, bytes] = {}  # request id -> client identity
+        self.inbox: list[tuple[bytes, object]] = []  # decoded client messages, applied between steps
+        self.client_codec, self.outputs_codec = client_codec(), outputs_codec()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        logger.info("Received %s, shutting down", signal.Signals(signum).name)
+        self.stopping = True
+
+    def run(self) -> int:
+        """Serve until SIGINT/SIGTERM. Returns the process exit code."""
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        tmpdir = tempfile.mkdtemp(prefix="kvengine-")
+        address = self.config.address or f"ipc://{tmpdir}/engine.sock"
+        ctx = zmq.Context()
+        executor = None
+        try:
+            self.sock = ctx.socket(zmq.ROUTER)
+            self.sock.setsockopt(zmq.ROUTER_NOTIFY, zmq.NOTIFY_DISCONNECT)
+            self.sock.setsockopt(zmq.LINGER, 1000)
+            try:
+                self.sock.bind(address)
+            except zmq.ZMQError as e:
+                logger.error("Cannot listen on %s: %s", address, e)
+                return 1
+            try:
+                configs = self.config.worker_configs(f"ipc://{tmpdir}/workers.sock", f"file://{tmpdir}/dist-init")
+                executor = MultiprocExecutor(ctx, configs[0].engine_address, configs)
+                self.engine = EngineCore(self.config.scheduler, executor)
+            except (KVCacheSizingError, ValueError) as e:
+                logger.error("Start-up failed: %s", e)
+                return 1
+            executor.serve_while_waiting(self.sock, self._read_clients)
+            logger.info("kvengine ready: serving on %s (tensor parallel %d)", address, len(configs))
+            return self._loop()
+        except WorkerFailedError as e:
+            logger.error("%s", str(e).splitlines()[0])
+            self._fail_all(f"the engine stopped: {str(e).splitlines()[0]}")
+            return 1
+        finally:
+            if executor is not None:
+                executor.shutdown()
+            self.sock.close()
+            ctx.term()
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+    def _loop(self) -> int:
+        stats_logger = StatsLogger(self.config.stats_interval)
+        while not self.stopping:
+            if not self.engine.has_work() and not self.inbox:
+                self.sock.poll(100)
+            self._read_clients()
+            self._apply_inbox()
+            if self.engine.has_work():
+                self._send_outputs(self.engine.step())
+            stats_logger.maybe_log(self.engine.get_stats, busy=self.engine.has_work())
+        self._fail_all("the server is shutting down", reason="abort")
+        return 0
+
+    def _read_clients(self) -> None:
+        """Drain the client socket without blocking; decode now, apply between steps."""
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity = frames[0]
+            if len(frames) == 2 and frames[1] == b"":  # ROUTER_NOTIFY: the client disconnected
+                self.inbox.append((identity, None))
+                continue
+            try:
+                if len(frames) != 2:
+                    raise ProtocolError(f"expected 2 frames, got {len(frames)}")
+                self.inbox.append((identity, self.client_codec.decode(frames[1])))
+            except ProtocolError as e:
+                logger.warning("Dropped a malformed client message: %s", e)
+
+    def _apply_inbox(self) -> None:
+        inbox, self.inbox = self.inbox, []
+        for identity, msg in inbox:
+            if msg is None:
+                gone = [rid for rid, owner in self.owners.items() if owner == identity]
+                if gone:
+                    logger.info("A client disconnected; aborting its %d request(s)", len(gone))
+                    self.engine.abort_requests(gone)
+            elif isinstance(msg, EngineCoreRequest):
+                if msg.request_id in self.owners:
+                    self._send(identity, [EngineCoreOutput(msg.request_id, [], "error",
+                                                           error="request id already in use")])
+                    continue
+                self.owners[msg.request_id] = identity
+                self.engine.add_request(msg)
+            elif isinstance(msg, EngineCoreAbort):
+                self.engine.abort_requests([rid for rid in msg.request_ids if self.owners.get(rid) == identity])
+            elif isinstance(msg, EngineCoreGetStats):
+                self.sock.send_multipart([identity, self.outputs_codec.encode(
+                    EngineCoreOutputs([], time.time(), stats=self.engine.get_stats()))])
+
+    def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
+        by_client: dict[bytes, list[EngineCoreOutput]] = {}
+        for out in outputs.outputs:
+            owner = self.owners.get(out.request_id)
+            if owner is None:
+                continue
+            by_client.setdefault(owner, []).append(out)
+            if out.finish_reason is not None:
+                del self.owners[out.request_id]
+        for identity, outs in by_client.items():
+            self._send(identity, outs)
+
+    def _send(self, identity: bytes, outs: list[EngineCoreOutput]) -> None:
+        self.sock.send_multipart([identity, self.outputs_codec.encode(EngineCoreOutputs(outs, time.time()))])
+
+    def _fail_all(self, error: str, reason: str = "error") -> None:
+        """End every in-flight request, so no client waits forever."""
+        by_client: dict[bytes, list[EngineCoreOutput]] = {}
+        for rid, owner in self.owners.items():
+            by_client.setdefault(owner, []).append(EngineCoreOutput(rid, [], reason, error=error))
+        self.owners.clear()
+        for identity, outs in by_client.items():
+            self._send(identity, outs)

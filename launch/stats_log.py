@@ -1,0 +1,37 @@
+"""The periodic stats log line of a busy server."""
+
+import logging
+import time
+from collections.abc import Callable
+
+from protocol import SchedulerStats
+
+logger = logging.getLogger("kvengine.stats")
+
+
+class StatsLogger:
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.last_time = time.monotonic()
+        self.last: SchedulerStats | None = None
+
+    def maybe_log(self, get_stats: Callable[[], SchedulerStats], busy: bool) -> None:
+        now = time.monotonic()
+        if now - self.last_time < self.interval:
+            return
+        stats = get_stats()
+        if busy or (self.last is not None and stats.step != self.last.step):
+            logger.info(format_stats_line(stats, self.last or SchedulerStats(), now - self.last_time))
+        self.last, self.last_time = stats, now
+
+
+def format_stats_line(now: SchedulerStats, before: SchedulerStats, seconds: float) -> str:
+    queries = now.prefix_cache_queries - before.prefix_cache_queries
+    hits = now.prefix_cache_hits - before.prefix_cache_hits
+    return (
+        f"Avg prompt throughput: {(now.num_prompt_tokens - before.num_prompt_tokens) / seconds:.1f} tokens/s, "
+        f"Avg generation throughput: {(now.num_generation_tokens - before.num_generation_tokens) / seconds:.1f} "
+        f"tokens/s, Running: {now.num_running_reqs} reqs, Waiting: {now.num_waiting_reqs} reqs, "
+        f"KV cache usage: {now.kv_cache_usage:.1%}, Prefix cache hit rate: {hits / queries if queries else 0:.1%}, "
+        f"Preemptions: {now.num_preemptions - before.num_preemptions}"
+    )
