@@ -51,12 +51,16 @@ class KVCacheManager:
         )
         self.block_pool = self.coordinator.block_pool
         self.prefix_cache_stats = PrefixCacheStats()
+        # All groups share one block size (the hybrid coordinator checks it); hashes are made at it.
+        groups = kv_cache_config.kv_cache_groups
+        self.hash_block_size = groups[0].kv_cache_spec.block_size if groups else 0
         self._no_blocks = tuple([] for _ in range(self.num_kv_cache_groups))
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The request's longest prefix-cache hit, never its whole prompt: the last token is always computed."""
         if not self.enable_caching:
             return KVCacheBlocks(self._no_blocks), 0
+        self._check_block_hashes(request)
         max_cache_hit_length = request.num_tokens - 1
         hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(request.block_hashes, max_cache_hit_length)
         return KVCacheBlocks(hits), num_hit_tokens
@@ -77,6 +81,8 @@ class KVCacheManager:
         """
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError(f"allocate_slots for {request.request_id} with no new and no computed tokens")
+        if self.enable_caching:
+            self._check_block_hashes(request)
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else self._no_blocks
         num_computed_tokens = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
 
@@ -112,6 +118,16 @@ class KVCacheManager:
                 stats.queries += request.num_tokens
                 stats.hits += num_new_computed_tokens
         return KVCacheBlocks(new_blocks)
+
+    def _check_block_hashes(self, request: Request) -> None:
+        """Hashes made at another block size would register blocks under keys of other token spans
+        (false hits that reuse another prompt's KV); refuse before anything changes."""
+        if len(request.block_hashes) != request.num_tokens // self.hash_block_size:
+            raise ValueError(
+                f"request {request.request_id} has {len(request.block_hashes)} block hashes for "
+                f"{request.num_tokens} tokens; with prefix caching its hashes must be made at the KV cache "
+                f"block size {self.hash_block_size} (get_request_block_hasher({self.hash_block_size}, ...))"
+            )
 
     def free(self, request: Request) -> None:
         self.coordinator.free(request.request_id)
