@@ -103,6 +103,11 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         by_spec: dict[KVCacheSpec, list[int]] = {}
         for i, group in enumerate(kv_cache_config.kv_cache_groups):
             by_spec.setdefault(group.kv_cache_spec, []).append(i)
+        if len(by_spec) < 2:
+            raise ValueError(
+                "HybridKVCacheCoordinator needs at least two distinct KV cache specs; "
+                "a single spec is served by UnitaryKVCacheCoordinator"
+            )
         block_sizes = {spec.block_size for spec in by_spec}
         if len(block_sizes) != 1:
             raise ValueError(f"hybrid KV cache groups must share one block size, got {sorted(block_sizes)}")
