@@ -8,7 +8,15 @@ from engine_core.config import SchedulerConfig
 from engine_core.executor import Executor
 from engine_core.kv_cache.planning import GiB, KVCacheSizingError, capacity_line, get_kv_cache_config
 from engine_core.scheduler import Scheduler
-from protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, KVCacheConfig, SchedulerStats, WorkerKVReport
+from protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    KVCacheConfig,
+    KVCacheEvent,
+    SchedulerStats,
+    WorkerKVReport,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +79,15 @@ class EngineCore:
         outputs, self._pending = self._pending, []
         if self.scheduler.has_requests():
             scheduler_output = self.scheduler.schedule()
-            if scheduler_output.total_num_scheduled_tokens:
+            so = scheduler_output
+            if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
                 model_output = self.executor.execute_model(scheduler_output)
                 outputs += self.scheduler.update_from_output(scheduler_output, model_output)
         return EngineCoreOutputs(outputs, time.time())
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """Ledger events since the last call (empty unless enable_kv_cache_events)."""
+        return self.scheduler.kv_cache_manager.take_events()
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

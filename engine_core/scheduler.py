@@ -125,7 +125,8 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
 
     def has_requests(self) -> bool:
-        return bool(self.requests)
+        """Unfinished requests, or finished ids the workers have not been told about yet."""
+        return bool(self.requests) or bool(self.finished_req_ids)
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -239,7 +240,7 @@ class Scheduler:
             digests = {rid: block_ids_digest(manager.get_block_ids(rid)) for rid in num_scheduled_tokens}
         total = sum(num_scheduled_tokens.values())
         finished: list[str] = []
-        if total:  # finished ids wait for a step the workers actually run
+        if total or self.finished_req_ids or preempted:  # workers must hear of these even in a step with no tokens
             self.step += 1
             finished, self.finished_req_ids = sorted(self.finished_req_ids), set()
         for r in scheduled_new + scheduled_running:  # tokens count as computed once scheduled
