@@ -11,6 +11,7 @@ from protocol import (
     KVCacheSpec,
     ModelRunnerOutput,
     SchedulerOutput,
+    SlidingWindowSpec,
     WorkerKVReport,
     block_ids_digest,
 )
@@ -74,6 +75,7 @@ class ReferenceExecutor:
             if new_ids is not None:
                 for table, ids in zip(self.block_tables[req_id], new_ids):
                     table.extend(ids)
+        self._null_out_of_window(so)
         if so.block_table_digests is not None:
             for req_id, digest in so.block_table_digests.items():
                 if block_ids_digest(self.block_tables[req_id]) != digest:
@@ -89,6 +91,21 @@ class ReferenceExecutor:
             req_ids.append(req_id)
             sampled.append(new)
         return ModelRunnerOutput(step=so.step, req_ids=req_ids, sampled_token_ids=sampled)
+
+    def _null_out_of_window(self, so: SchedulerOutput) -> None:
+        """As a worker does: blocks wholly before a sliding window hold the null block, as in the ledger.
+
+        The ledger drops them (remove_skipped_blocks) but only appended ids travel, so the worker
+        derives the same rule from each scheduled request's computed tokens at the start of the step.
+        """
+        for g, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            if not isinstance(spec, SlidingWindowSpec):
+                continue
+            for req_id in so.num_scheduled_tokens:
+                skipped = max(0, self.num_computed_tokens[req_id] - spec.sliding_window + 1) // spec.block_size
+                table = self.block_tables[req_id][g]
+                table[: min(skipped, len(table))] = [0] * min(skipped, len(table))
 
     def shutdown(self) -> None:
         pass
