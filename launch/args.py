@@ -60,6 +60,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="with --port: the address to bind (default: loopback)")
     g.add_argument("--port", type=int, default=None, help="serve on tcp://HOST:PORT instead of ipc://")
     g.add_argument("--stats-interval", type=float, default=5.0, help="seconds between stats log lines")
+    g = parser.add_argument_group("observability")
+    g.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics (default: off)")
+    g.add_argument("--kv-events-endpoint", default=None,
+                   help="publish KV cache events (block stored / removed / all cleared) on this ZeroMQ PUB "
+                        "address, e.g. tcp://127.0.0.1:5557 (default: off)")
+    g.add_argument("--kv-events-replay-endpoint", default=None,
+                   help="ZeroMQ address where late subscribers fetch missed event batches (bounded buffer)")
     g.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -102,6 +110,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         scheduling_policy=args.scheduling_policy,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         check_block_tables=args.check_block_tables,
+        enable_kv_cache_events=args.kv_events_endpoint is not None,
     )
     return ServeConfig(
         scheduler=scheduler,
@@ -113,5 +122,8 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         address=address,
         stats_interval=args.stats_interval,
+        metrics_port=args.metrics_port,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         log_level=args.log_level,
     )

@@ -27,11 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
-    from launch.generate import add_generate_parser
     from launch.bench import add_bench_parser
+    from launch.events import add_events_parser
+    from launch.generate import add_generate_parser
 
     add_generate_parser(sub)
     add_bench_parser(sub)
+    add_events_parser(sub)
 
     args = parser.parse_args(argv)
     return args.func(args)

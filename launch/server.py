@@ -18,6 +18,8 @@ from engine_core.config import SchedulerConfig
 from engine_core.core import EngineCore
 from engine_core.kv_cache.planning import KVCacheSizingError
 from launch.executor import MultiprocExecutor, WorkerFailedError
+from launch.kv_events import KVEventPublisher
+from launch.metrics import EngineMetrics
 from launch.stats_log import StatsLogger
 from launch.worker_config import WorkerConfig
 from protocol import (
@@ -31,6 +33,7 @@ from protocol import (
 from protocol.codec import client_codec, outputs_codec
 
 logger = logging.getLogger("kvengine.serve")
+STATS_PERIOD = 0.25  # seconds between stats snapshots for metrics and the log line
 
 
 @dataclass
@@ -44,6 +47,10 @@ class ServeConfig:
     gpu_memory_utilization: float = 0.92
     address: str | None = None  # None: an ipc:// path unique to this server
     stats_interval: float = 5.0
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
     log_level: str = "INFO"
 
     def worker_configs(self, engine_address: str, dist_init_method: str) -> list[WorkerConfig]:
@@ -82,6 +89,8 @@ class EngineServer:
         self.owners: dict[str, bytes] = {}  # request id -> client identity
         self.inbox: list[tuple[bytes, object]] = []  # decoded client messages, applied between steps
         self.client_codec, self.outputs_codec = client_codec(), outputs_codec()
+        self.metrics: EngineMetrics | None = None
+        self.kv_events: KVEventPublisher | None = None
 
     def _on_signal(self, signum: int, frame: object) -> None:
         logger.info("Received %s, shutting down", signal.Signals(signum).name)
@@ -112,6 +121,11 @@ class EngineServer:
                 logger.error("Start-up failed: %s", e)
                 return 1
             executor.serve_while_waiting(self.sock, self._read_clients)
+            try:
+                self._start_observers(ctx)
+            except (OSError, zmq.ZMQError) as e:
+                logger.error("Start-up failed: cannot open the metrics or KV event endpoint: %s", e)
+                return 1
             logger.info("kvengine ready: serving on %s (tensor parallel %d)", address, len(configs))
             return self._loop()
         except WorkerFailedError as e:
@@ -119,22 +133,50 @@ class EngineServer:
             self._fail_all(f"the engine stopped: {str(e).splitlines()[0]}")
             return 1
         finally:
+            if self.metrics is not None:
+                self.metrics.close()
+            if self.kv_events is not None:
+                self.kv_events.close()
             if executor is not None:
                 executor.shutdown()
             self.sock.close()
             ctx.term()
             shutil.rmtree(tmpdir, ignore_errors=True)
 
+    def _start_observers(self, ctx: zmq.Context) -> None:
+        """Metrics endpoint and KV event publisher, when asked for; errors here are start-up errors."""
+        if self.config.metrics_port is not None:
+            self.metrics = EngineMetrics(self.config.scheduler.block_size)
+            self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
+            logger.info("Metrics on http://%s:%d/metrics", self.config.metrics_host, self.config.metrics_port)
+        if self.config.kv_events_endpoint is not None:
+            self.kv_events = KVEventPublisher(
+                ctx, self.config.kv_events_endpoint, self.config.kv_events_replay_endpoint
+            )
+            logger.info("KV events on %s (replay: %s)", self.config.kv_events_endpoint,
+                        self.config.kv_events_replay_endpoint or "off")
+
     def _loop(self) -> int:
         stats_logger = StatsLogger(self.config.stats_interval)
+        last_stats = 0.0
         while not self.stopping:
             if not self.engine.has_work() and not self.inbox:
                 self.sock.poll(100)
             self._read_clients()
             self._apply_inbox()
             if self.engine.has_work():
-                self._send_outputs(self.engine.step())
-            stats_logger.maybe_log(self.engine.get_stats, busy=self.engine.has_work())
+                outputs = self.engine.step().outputs
+                if self.metrics is not None:
+                    self.metrics.on_outputs(outputs)
+                self._send_outputs(outputs)
+            if self.kv_events is not None:
+                self.kv_events.publish(self.engine.take_kv_events())
+            if time.monotonic() - last_stats >= STATS_PERIOD:
+                last_stats = time.monotonic()
+                stats = self.engine.get_stats()
+                if self.metrics is not None:
+                    self.metrics.update_stats(stats)
+                stats_logger.maybe_log(stats)
         self._fail_all("the server is shutting down", reason="abort")
         return 0
 
@@ -170,6 +212,8 @@ class EngineServer:
                                                            error="request id already in use")])
                     continue
                 self.owners[msg.request_id] = identity
+                if self.metrics is not None:
+                    self.metrics.on_arrival(msg.request_id)
                 self.engine.add_request(msg)
             elif isinstance(msg, EngineCoreAbort):
                 self.engine.abort_requests([rid for rid in msg.request_ids if self.owners.get(rid) == identity])
@@ -177,9 +221,9 @@ class EngineServer:
                 self.sock.send_multipart([identity, self.outputs_codec.encode(
                     EngineCoreOutputs([], time.time(), stats=self.engine.get_stats()))])
 
-    def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
+    def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         by_client: dict[bytes, list[EngineCoreOutput]] = {}
-        for out in outputs.outputs:
+        for out in outputs:
             owner = self.owners.get(out.request_id)
             if owner is None:
                 continue

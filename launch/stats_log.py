@@ -2,7 +2,6 @@
 
 import logging
 import time
-from collections.abc import Callable
 
 from protocol import SchedulerStats
 
@@ -15,12 +14,12 @@ class StatsLogger:
         self.last_time = time.monotonic()
         self.last: SchedulerStats | None = None
 
-    def maybe_log(self, get_stats: Callable[[], SchedulerStats], busy: bool) -> None:
+    def maybe_log(self, stats: SchedulerStats) -> None:
+        """Log a line per interval while steps happen; stay quiet while idle."""
         now = time.monotonic()
         if now - self.last_time < self.interval:
             return
-        stats = get_stats()
-        if busy or (self.last is not None and stats.step != self.last.step):
+        if self.last is None or stats.step != self.last.step:
             logger.info(format_stats_line(stats, self.last or SchedulerStats(), now - self.last_time))
         self.last, self.last_time = stats, now
 

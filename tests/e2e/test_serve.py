@@ -1,0 +1,189 @@
+"""End-to-end: the real server as a subprocess, driven through the asyncio client over ZeroMQ."""
+
+import asyncio
+import os
+import random
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+import zmq
+
+from launch.client import AsyncEngineClient, EngineDeadError
+from protocol import SamplingParams
+from tests.e2e.conftest import processes_in_group, wait_exit
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+SMALL = ["--max-model-len", "512", "--kv-cache-memory-bytes", "8MiB", "--check-block-tables"]
+
+
+def prompts(n: int, seed: int = 0, lo: int = 4, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1024) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+async def collect(client: AsyncEngineClient, prompt: list[int], params: SamplingParams = GREEDY):
+    tokens, last = [], None
+    async for out in client.generate(prompt, params):
+        tokens += out.new_token_ids
+        last = out
+    return tokens, last
+
+
+async def generate_all(address: str, batch: list[list[int]], params: SamplingParams = GREEDY):
+    async with AsyncEngineClient(address) as client:
+        return await asyncio.gather(*(collect(client, p, params) for p in batch))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_concurrent_streamed_requests_match_in_process_engine(start_server, tp):
+    from tests.e2e.in_process import in_process_greedy
+
+    server = start_server("-tp", str(tp), *SMALL)
+    asyncio.run(server.wait_ready())
+    batch = prompts(16, seed=tp)
+    results = asyncio.run(generate_all(server.address, batch))
+    assert all(last.finish_reason == "length" for _, last in results)
+    assert all(len(tokens) == GREEDY.max_tokens for tokens, _ in results)
+    assert [tokens for tokens, _ in results] == in_process_greedy(batch, GREEDY)
+
+
+def test_abort_and_cancellation_free_every_block(start_server):
+    server = start_server(*SMALL)
+    asyncio.run(server.wait_ready())
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        async with AsyncEngineClient(server.address) as client:
+            aborted_id = "to-abort"
+            stream = client.generate(prompts(1, 5)[0], long, request_id=aborted_id)
+            first = await stream.__anext__()  # running now
+
+            async def cancelled():
+                async for _ in client.generate(prompts(1, 6)[0], long):
+                    pass
+
+            task = asyncio.create_task(cancelled())
+            await asyncio.sleep(0.5)
+            task.cancel()
+            await client.abort(aborted_id)
+            rest = [out async for out in stream]
+            for _ in range(100):  # the abort of the cancelled request is asynchronous
+                stats = await client.get_stats()
+                if stats.num_running_reqs == 0:
+                    break
+                await asyncio.sleep(0.05)
+            return first, rest, stats
+
+    first, rest, stats = asyncio.run(scenario())
+    assert rest[-1].finish_reason == "abort"
+    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
+    assert stats.kv_cache_usage == 0.0  # free == N - 1
+
+
+def test_block_count_is_the_minimum_across_ranks(start_server):
+    # Built-in model at TP 2: 4 layers x 2 KV heads x 16 tokens x (32 + 32) x 4 bytes = 32 KiB per block.
+    server = start_server("-tp", "2", "--max-model-len", "256", "--kv-cache-memory-bytes", "4MiB,2MiB")
+    asyncio.run(server.wait_ready())
+    log = server.output()
+    assert "KV cache: 64 blocks" in log, log
+    assert "Rank 0 can give the KV cache 0.004 GiB" in log and "Rank 1 can give the KV cache 0.002 GiB" in log
+
+
+def test_sigterm_stops_every_process_and_leaves_no_files(start_server):
+    server = start_server("-tp", "2", *SMALL)
+    asyncio.run(server.wait_ready())
+    workers = server.worker_pids()
+    assert sorted(workers) == [0, 1]
+    server.proc.send_signal(signal.SIGTERM)
+    assert wait_exit(server.proc) == 0
+    assert processes_in_group(server.proc.pid) == []
+    assert not Path(server.address.removeprefix("ipc://")).exists()
+    assert not [p for p in Path("/dev/shm").glob("*") if str(server.proc.pid) in p.name]
+
+
+def test_killed_worker_fails_in_flight_requests_and_the_server_exits(start_server):
+    server = start_server("-tp", "2", *SMALL)
+    asyncio.run(server.wait_ready())
+
+    async def scenario():
+        async with AsyncEngineClient(server.address) as client:
+            long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+            tasks = [asyncio.create_task(collect(client, p, long)) for p in prompts(4, 9)]
+            await asyncio.sleep(1.0)
+            os.kill(server.worker_pids()[1], signal.SIGKILL)
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(scenario())
+    for result in results:  # an error output, or the client noticing the server is gone
+        assert isinstance(result, EngineDeadError) or result[1].finish_reason == "error", result
+    assert wait_exit(server.proc) not in (0, None)
+    assert "worker rank 1" in server.output()
+
+
+def test_garbage_on_the_input_socket_does_not_stop_the_server(start_server):
+    server = start_server(*SMALL)
+    asyncio.run(server.wait_ready())
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(server.address)
+    sock.send(b"\xc1garbage")
+    sock.send_multipart([b"two", b"frames"])
+    sock.send(b"")
+    sock.close(linger=1000)
+    ctx.term()
+    results = asyncio.run(generate_all(server.address, prompts(2)))
+    assert all(last.finish_reason == "length" for _, last in results)
+    assert "Dropped a malformed client message" in server.output()
+
+
+def test_a_disconnected_client_has_its_requests_aborted(start_server):
+    server = start_server(*SMALL)
+    asyncio.run(server.wait_ready())
+
+    async def leave_mid_request():
+        client = AsyncEngineClient(server.address)
+        await client.start()
+        stream = client.generate(prompts(1)[0], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+        await stream.__anext__()
+        client._sock.close(linger=0)  # vanish without an abort, as a crashed client would
+
+    async def wait_idle():
+        async with AsyncEngineClient(server.address) as client:
+            for _ in range(200):
+                stats = await client.get_stats()
+                if stats.num_running_reqs == 0:
+                    return stats
+                await asyncio.sleep(0.05)
+            return stats
+
+    asyncio.run(leave_mid_request())
+    stats = asyncio.run(wait_idle())
+    assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0.0
+    assert "A client disconnected; aborting its 1 request(s)" in server.output()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--model", "/nonexistent/model"], "worker rank 0 failed"),
+        (["--kv-cache-memory-bytes", "1000"], "No available memory for the cache blocks"),
+        (["--kv-cache-memory-bytes", "1MiB", "--max-model-len", "2048"], "estimated maximum model length"),
+    ],
+)
+def test_start_up_errors_end_with_one_clear_line(start_server, flags, message):
+    server = start_server(*flags)
+    assert wait_exit(server.proc) == 1
+    out = server.output()
+    assert message in out and "Traceback" not in out, out
+
+
+def test_port_in_use_is_a_clear_start_up_error(start_server):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = start_server("--port", str(port))
+        assert wait_exit(server.proc) == 1
+    assert "Cannot listen on" in server.output() and "Traceback" not in server.output()
