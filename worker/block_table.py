@@ -1,0 +1,83 @@
+"""Per KV cache group block tables: int32 [max_num_reqs, max_num_blocks_per_req], rows reused."""
+
+import torch
+
+from protocol import block_ids_digest
+
+
+class BlockTableMismatch(RuntimeError):
+    """The worker's block table disagrees with the ledger's digest (--check-block-tables)."""
+
+
+class BlockTable:
+    def __init__(self, max_num_reqs: int, max_num_blocks_per_req: int, device="cpu"):
+        self.table = torch.zeros(max_num_reqs, max_num_blocks_per_req, dtype=torch.int32, device=device)
+        self.num_blocks = [0] * max_num_reqs
+
+    def overwrite(self, row: int, block_ids: list[int]) -> None:
+        self._check_room(row, len(block_ids))
+        self.table[row, : len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+        self.num_blocks[row] = len(block_ids)
+
+    def append(self, row: int, block_ids: list[int]) -> None:
+        n = self.num_blocks[row]
+        self._check_room(row, n + len(block_ids))
+        self.table[row, n : n + len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+        self.num_blocks[row] = n + len(block_ids)
+
+    def clear(self, row: int) -> None:
+        self.num_blocks[row] = 0
+
+    def block_ids(self, row: int) -> list[int]:
+        return self.table[row, : self.num_blocks[row]].tolist()
+
+    def null_skipped(self, row: int, num_skipped_blocks: int) -> None:
+        """Mirror the ledger: blocks that left a sliding window become the null block 0."""
+        self.table[row, : min(num_skipped_blocks, self.num_blocks[row])] = 0
+
+    def _check_room(self, row: int, n: int) -> None:
+        if n > self.table.shape[1]:
+            raise ValueError(f"row {row} needs {n} blocks, the table holds {self.table.shape[1]} (max_model_len)")
+
+
+class BlockTables:
+    """One BlockTable per KV cache group, sharing a free list of rows."""
+
+    def __init__(self, num_groups: int, max_num_reqs: int, max_num_blocks_per_req: int, device="cpu"):
+        self.groups = [BlockTable(max_num_reqs, max_num_blocks_per_req, device) for _ in range(num_groups)]
+        self.free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self.rows: dict[str, int] = {}
+
+    def add(self, req_id: str, block_ids: list[list[int]]) -> int:
+        """A new or resumed request: take a row (or keep its row) and overwrite it."""
+        if req_id not in self.rows:
+            if not self.free_rows:
+                raise RuntimeError(f"no free block table row for {req_id}: more than max_num_seqs requests")
+            self.rows[req_id] = self.free_rows.pop()
+        row = self.rows[req_id]
+        for table, ids in zip(self.groups, block_ids, strict=True):
+            table.overwrite(row, ids)
+        return row
+
+    def append(self, req_id: str, new_block_ids: list[list[int]]) -> None:
+        row = self.rows[req_id]
+        for table, ids in zip(self.groups, new_block_ids, strict=True):
+            table.append(row, ids)
+
+    def free(self, req_id: str) -> None:
+        row = self.rows.pop(req_id, None)
+        if row is not None:
+            for table in self.groups:
+                table.clear(row)
+            self.free_rows.append(row)
+
+    def block_ids(self, req_id: str) -> list[list[int]]:
+        return [table.block_ids(self.rows[req_id]) for table in self.groups]
+
+    def verify(self, req_id: str, digest: bytes) -> None:
+        mine = self.block_ids(req_id)
+        if block_ids_digest(mine) != digest:
+            raise BlockTableMismatch(
+                f"block table of request {req_id!r} (row {self.rows[req_id]}) disagrees with the ledger's digest; "
+                f"worker has {mine}"
+            )

@@ -1,0 +1,23 @@
+"""InProcExecutor: the engine core's Executor over one in-process Worker (tensor parallel size 1)."""
+
+from protocol import KVCacheConfig, ModelRunnerOutput, SchedulerOutput, WorkerKVReport
+from worker.worker import Worker
+
+
+class InProcExecutor:
+    def __init__(self, **worker_kwargs):
+        if worker_kwargs.get("tp_size", 1) != 1:
+            raise ValueError("InProcExecutor runs one worker; tensor parallel size > 1 needs worker processes")
+        self.worker = Worker(**worker_kwargs)
+
+    def determine_available_memory(self) -> list[WorkerKVReport]:
+        return [self.worker.report_kv()]
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self.worker.init_kv_cache(kv_cache_config)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

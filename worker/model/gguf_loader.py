@@ -1,0 +1,81 @@
+"""GGUF Llama checkpoints (optional extra `gguf`): config from metadata, weights dequantised at load."""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def _reader(path: str | Path):
+    try:
+        import gguf
+    except ImportError as e:
+        raise ImportError("loading a .gguf model needs the optional extra: pip install 'kvengine[gguf]'") from e
+    return gguf, gguf.GGUFReader(str(path))
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_config(reader) -> dict:
+    """An HF-style config.json dict from the GGUF metadata."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; only llama")
+    heads = _field(reader, "llama.attention.head_count")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=_field(reader, "llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=_field(reader, "llama.embedding_length"),
+        intermediate_size=_field(reader, "llama.feed_forward_length"),
+        num_hidden_layers=_field(reader, "llama.block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=_field(reader, "llama.attention.head_count_kv", heads),
+        rms_norm_eps=_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5),
+        max_position_embeddings=_field(reader, "llama.context_length", 2048),
+        rope_theta=_field(reader, "llama.rope.freq_base", 10000.0),
+        tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+        eos_token_id=eos,
+    )
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of the rotary halves in Q/K rows (back to rotate-half order)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    gguf, reader = _reader(path)
+    cfg = gguf_config(reader)
+    weights = {}
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            kind = parts[2]
+            if kind == "attn_q":
+                data = _unpermute(data, cfg["num_attention_heads"])
+            elif kind == "attn_k":
+                data = _unpermute(data, cfg["num_key_value_heads"])
+            name = f"model.layers.{parts[1]}.{_NAMES[kind]}.weight"
+        else:
+            name = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}[parts[0]]
+            name += ".weight"
+        weights[name] = torch.from_numpy(np.ascontiguousarray(data))
+    return cfg, weights

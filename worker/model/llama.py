@@ -1,0 +1,79 @@
+"""Llama / Qwen2 decoder over the paged KV cache, one tensor-parallel shard per rank."""
+
+import torch
+import torch.nn.functional as F
+
+from worker.attention import AttentionMetadata, GatherBuffer, paged_attention
+from worker.model.config import ModelConfig
+from worker.model.layers import ColumnParallelLinear, RMSNorm, Rotary, RowParallelLinear, VocabParallelEmbedding
+from worker.model.weights import WeightSource
+from worker.parallel import TPGroup
+
+
+class DecoderLayer:
+    def __init__(self, cfg: ModelConfig, src: WeightSource, i: int, tp: TPGroup, **to):
+        p = f"model.layers.{i}"
+        hd = cfg.head_dim
+        self.heads, self.kv_heads = cfg.num_attention_heads // tp.size, cfg.num_key_value_heads // tp.size
+        self.head_dim, self.scale = hd, hd**-0.5
+        self.sliding_window = cfg.layer_sliding_windows[i]
+        q_out, kv_out = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+        attn = f"{p}.self_attn"
+        self.qkv = ColumnParallelLinear(
+            src, [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], [q_out, kv_out, kv_out], tp, cfg.qkv_bias, **to
+        )
+        self.o_proj = RowParallelLinear(src, f"{attn}.o_proj", q_out, tp, **to)
+        mlp, inter = f"{p}.mlp", cfg.intermediate_size
+        self.gate_up = ColumnParallelLinear(src, [f"{mlp}.gate_proj", f"{mlp}.up_proj"], [inter, inter], tp, False, **to)
+        self.down = RowParallelLinear(src, f"{mlp}.down_proj", inter, tp, **to)
+        self.input_norm = RMSNorm(src.read(f"{p}.input_layernorm.weight").to(**to), cfg.rms_norm_eps)
+        self.post_norm = RMSNorm(src.read(f"{p}.post_attention_layernorm.weight").to(**to), cfg.rms_norm_eps)
+
+    def __call__(self, x, positions, rotary, cache, meta, buffer):
+        h = self.input_norm(x)
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        q, k, v = self.qkv(h).split([q_size, kv_size, kv_size], dim=-1)
+        q = rotary(q.reshape(-1, self.heads, self.head_dim), positions)
+        k = rotary(k.reshape(-1, self.kv_heads, self.head_dim), positions)
+        v = v.reshape(-1, self.kv_heads, self.head_dim)
+        x = x + self.o_proj(paged_attention(q, k, v, cache, meta, buffer, self.scale))
+        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class LlamaModel:
+    """Forward over flattened tokens; `logits` gives full-vocabulary logits on rank 0."""
+
+    def __init__(self, cfg: ModelConfig, src: WeightSource, tp: TPGroup, max_positions: int, dtype, device):
+        cfg.check_tp(tp.size)
+        to = dict(dtype=dtype, device=device)
+        self.cfg, self.tp = cfg, tp
+        self.embed = VocabParallelEmbedding(src, "model.embed_tokens.weight", cfg.vocab_size, tp, **to)
+        self.layers = [DecoderLayer(cfg, src, i, tp, **to) for i in range(cfg.num_hidden_layers)]
+        self.norm = RMSNorm(src.read("model.norm.weight").to(**to), cfg.rms_norm_eps)
+        head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        if not cfg.tie_word_embeddings and not src.has(head_name):
+            head_name = "model.embed_tokens.weight"  # some checkpoints tie without saying so
+        self.lm_head = VocabParallelEmbedding(src, head_name, cfg.vocab_size, tp, **to)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return self.cfg.num_key_value_heads // self.tp.size
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        caches: list[torch.Tensor],
+        metas: list[AttentionMetadata],
+        buffer: GatherBuffer,
+    ) -> torch.Tensor:
+        """caches[i] and metas[i] belong to layer i; returns final hidden states [tokens, hidden]."""
+        x = self.embed(input_ids)
+        for layer, cache, meta in zip(self.layers, caches, metas):
+            x = layer(x, positions, self.rotary, cache, meta, buffer)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head.logits(hidden)

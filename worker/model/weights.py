@@ -1,0 +1,45 @@
+"""Read named tensors, or one rank's slice of them, from safetensors files or an in-memory dict."""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+class WeightSource:
+    """Tensors by Hugging Face name; `read(name, dim, start, end)` loads only rows [start, end) of dim."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor] | None = None, folder: str | Path | None = None):
+        self._tensors = tensors or {}
+        self._files: dict[str, object] = {}
+        if folder is not None:
+            for path in sorted(Path(folder).glob("*.safetensors")):
+                handle = safe_open(str(path), framework="pt")
+                for name in handle.keys():
+                    self._files[name] = handle
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors or name in self._files
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, end: int = 0) -> torch.Tensor:
+        if name in self._tensors:
+            t = self._tensors[name]
+            return t if dim is None else t.narrow(dim, start, end - start)
+        if name not in self._files:
+            raise KeyError(f"weight {name!r} not found in the model files")
+        handle = self._files[name]
+        if dim is None:
+            return handle.get_tensor(name)
+        part = handle.get_slice(name)
+        index = [slice(None)] * len(part.get_shape())
+        index[dim] = slice(start, end)
+        return part[tuple(index)]
+
+
+def folder_has_weights(folder: str | Path) -> bool:
+    return any(Path(folder).glob("*.safetensors"))
+
+
+def read_config(folder: str | Path) -> dict:
+    return json.loads((Path(folder) / "config.json").read_text())

@@ -1,0 +1,148 @@
+"""Applies SchedulerOutputs: request state, block tables, one forward, sampling on rank 0."""
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from protocol import KVCacheConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput, SlidingWindowSpec
+from worker.attention import DECODE_CHUNK_BYTES, GatherBuffer, StepRequests, build_metadata
+from worker.block_table import BlockTables
+from worker.model.llama import LlamaModel
+from worker.sampler import sample
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.self_attn")
+
+
+@dataclass
+class RequestState:
+    token_ids: list[int]  # prompt + outputs so far
+    num_prompt: int
+    params: SamplingParams
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, max_num_seqs: int, max_model_len: int, check_block_tables: bool):
+        self.model, self.tp = model, model.tp
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.check_block_tables = check_block_tables
+        self.requests: dict[str, RequestState] = {}
+
+    def init_kv_cache(self, cfg: KVCacheConfig, dtype: torch.dtype, device) -> None:
+        """Allocate KV tensors once: layer j of every group shares tensor j."""
+        groups = cfg.kv_cache_groups
+        self.block_size = groups[0].kv_cache_spec.block_size
+        if any(g.kv_cache_spec.block_size != self.block_size for g in groups):
+            raise ValueError("all KV cache groups must share one block size")
+        self.windows = [getattr(g.kv_cache_spec, "sliding_window", None) for g in groups]
+        m = self.model
+        shape = (2, cfg.num_blocks, self.block_size, m.kv_heads_per_rank, m.cfg.head_dim)
+        num_tensors = max(len(g.layer_names) for g in groups)
+        self.kv_tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_tensors)]
+        self.layer_slots = [None] * len(m.layers)  # layer index -> (group, tensor)
+        for g, group in enumerate(groups):
+            for j, name in enumerate(group.layer_names):
+                self.layer_slots[int(_LAYER.fullmatch(name).group(1))] = (g, j)
+        if None in self.layer_slots:
+            raise ValueError("the KV cache config leaves some layers without a KV cache group")
+        self._check_windows(groups)
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.tables = BlockTables(len(groups), self.max_num_seqs, max_blocks, device)
+        self.kv_bytes_per_token = 2 * m.kv_heads_per_rank * m.cfg.head_dim * torch.finfo(dtype).bits // 8
+        buffer_tokens = max(max_blocks * self.block_size, DECODE_CHUNK_BYTES // self.kv_bytes_per_token)
+        self.buffer = GatherBuffer(buffer_tokens, m.kv_heads_per_rank, m.cfg.head_dim, dtype, device)
+        self.device = device
+
+    def _check_windows(self, groups) -> None:
+        for i, (g, _) in enumerate(self.layer_slots):
+            if self.model.layers[i].sliding_window != self.windows[g]:
+                raise ValueError(f"layer {i}'s sliding window does not match its KV cache group {g}'s spec")
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
+            self.requests.pop(req_id, None)
+            self.tables.free(req_id)
+        batch = self._update_state(so)
+        if not batch:
+            return ModelRunnerOutput(step=so.step, req_ids=[], sampled_token_ids=[])
+        self._null_out_of_window(batch)
+        if so.block_table_digests is not None:
+            for req_id, _ in batch:
+                self.tables.verify(req_id, so.block_table_digests[req_id])
+        sampled = self._run(batch, so.num_scheduled_tokens)
+        return ModelRunnerOutput(step=so.step, req_ids=[r for r, _ in batch], sampled_token_ids=sampled)
+
+    def _update_state(self, so: SchedulerOutput) -> list[tuple[str, int]]:
+        """Register new requests, append new blocks; the batch as (req_id, num_computed_tokens)."""
+        batch = []
+        for new in so.scheduled_new_reqs:
+            tokens = [*new.prompt_token_ids, *new.output_token_ids]
+            self.requests[new.req_id] = RequestState(tokens, len(new.prompt_token_ids), new.sampling_params)
+            self.tables.add(new.req_id, new.block_ids)
+            batch.append((new.req_id, new.num_computed_tokens))
+        cached = so.scheduled_cached_reqs
+        for req_id, new_ids, nc in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            if new_ids is not None:
+                self.tables.append(req_id, new_ids)
+            batch.append((req_id, nc))
+        return [(r, nc) for r, nc in batch if so.num_scheduled_tokens.get(r, 0) > 0]
+
+    def _null_out_of_window(self, batch) -> None:
+        """Blocks wholly before a sliding window hold the null block, as in the ledger's view."""
+        for g, window in enumerate(self.windows):
+            if window is not None:
+                for req_id, nc in batch:
+                    skipped = max(0, nc - window + 1) // self.block_size
+                    self.tables.groups[g].null_skipped(self.tables.rows[req_id], skipped)
+
+    def _run(self, batch: list[tuple[str, int]], num_scheduled: dict[str, int]) -> list[list[int]]:
+        ids, positions, counts, computed, samplers = [], [], [], [], []
+        for i, (req_id, nc) in enumerate(batch):
+            state, n = self.requests[req_id], num_scheduled[req_id]
+            if nc + n > len(state.token_ids):
+                raise ValueError(f"{req_id}: {nc}+{n} scheduled tokens but only {len(state.token_ids)} known")
+            ids += state.token_ids[nc : nc + n]
+            positions += range(nc, nc + n)
+            counts.append(n)
+            computed.append(nc)
+            if nc + n == len(state.token_ids):
+                samplers.append(i)
+        dev = self.device
+        counts_t = torch.tensor(counts, device=dev)
+        rows = torch.tensor([self.tables.rows[r] for r, _ in batch], device=dev)
+        reqs = StepRequests(
+            rows=rows,
+            num_computed=torch.tensor(computed, device=dev),
+            num_scheduled=counts_t,
+            query_start=torch.cumsum(counts_t, 0) - counts_t,
+            positions=torch.tensor(positions, device=dev),
+            token_rows=torch.repeat_interleave(rows, counts_t),
+        )
+        metas = [
+            build_metadata(t.table, self.block_size, w, reqs, self.kv_bytes_per_token)
+            for t, w in zip(self.tables.groups, self.windows)
+        ]
+        hidden = self.model.forward(
+            torch.tensor(ids, device=dev),
+            reqs.positions,
+            [self.kv_tensors[j] for _, j in self.layer_slots],
+            [metas[g] for g, _ in self.layer_slots],
+            self.buffer,
+        )
+        return self._sample(batch, hidden, reqs, samplers)
+
+    def _sample(self, batch, hidden, reqs: StepRequests, samplers: list[int]) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in batch]
+        if not samplers:
+            return out
+        last = (reqs.query_start + reqs.num_scheduled - 1)[samplers]
+        logits = self.model.logits(hidden[last])
+        token_ids = torch.empty(len(samplers), dtype=torch.long, device=hidden.device)
+        if self.tp.rank == 0:
+            states = [self.requests[batch[i][0]] for i in samplers]
+            positions = [len(s.token_ids) - s.num_prompt for s in states]
+            token_ids = sample(logits, [s.params for s in states], positions)
+        for i, t in zip(samplers, self.tp.broadcast(token_ids).tolist()):
+            self.requests[batch[i][0]].token_ids.append(t)
+            out[i] = [t]
+        return out
