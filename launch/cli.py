@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
     add_generate_parser(sub)
     add_bench_parser(sub)
+    __import__("launch.simulate").simulate.add_simulate_parser(sub)
     add_events_parser(sub)
 
     args = parser.parse_args(argv)
