@@ -19,6 +19,7 @@ from protocol import (
     WorkerReady,
 )
 from worker import memory
+from worker.model.llama import LlamaModel
 from worker.model.loader import load_model
 from worker.model_runner import ModelRunner
 from worker.parallel import TPGroup
@@ -61,11 +62,12 @@ class Worker:
         self.rank, self.block_size = rank, block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv_cache_memory_bytes, self.gpu_memory_utilization = kv_cache_memory_bytes, gpu_memory_utilization
+        cfg, weights = load_model(model, tp_size)
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
         self.tp = TPGroup.init(rank, tp_size, self.device, dist_init_method)
         weights_before = self._allocated()
-        self.model = load_model(model, self.tp, max_model_len, self.dtype, self.device)
+        self.model = LlamaModel(cfg, weights, self.tp, self.max_model_len, self.dtype, self.device)
         self.weights_bytes = self._allocated() - weights_before
-        self.max_model_len = max_model_len or self.model.cfg.max_position_embeddings
         self.runner = ModelRunner(self.model, max_num_seqs, self.max_model_len, check_block_tables)
 
     def _allocated(self) -> int:

@@ -45,7 +45,6 @@ class LlamaModel:
     """Forward over flattened tokens; `logits` gives full-vocabulary logits on rank 0."""
 
     def __init__(self, cfg: ModelConfig, src: WeightSource, tp: TPGroup, max_positions: int, dtype, device):
-        cfg.check_tp(tp.size)
         to = dict(dtype=dtype, device=device)
         self.cfg, self.tp = cfg, tp
         self.embed = VocabParallelEmbedding(src, "model.embed_tokens.weight", cfg.vocab_size, tp, **to)

@@ -2,13 +2,9 @@
 
 from pathlib import Path
 
-import torch
-
 from worker.model.config import ModelConfig
-from worker.model.llama import LlamaModel
 from worker.model.tiny import random_weights, tiny_config
 from worker.model.weights import WeightSource, read_config
-from worker.parallel import TPGroup
 
 
 def load_config_and_weights(model: str | None) -> tuple[dict, WeightSource]:
@@ -26,9 +22,9 @@ def load_config_and_weights(model: str | None) -> tuple[dict, WeightSource]:
     return read_config(path), WeightSource(folder=path)
 
 
-def load_model(model: str | None, tp: TPGroup, max_model_len: int | None, dtype: torch.dtype, device) -> LlamaModel:
-    """max_model_len sizes the RoPE table; None means the model's max_position_embeddings."""
+def load_model(model: str | None, tp_size: int) -> tuple[ModelConfig, WeightSource]:
+    """Config and weight source, refusing a TP size that does not divide the head counts."""
     raw, src = load_config_and_weights(model)
     cfg = ModelConfig.from_dict(raw)
-    cfg.check_tp(tp.size)
-    return LlamaModel(cfg, src, tp, max_model_len or cfg.max_position_embeddings, dtype, device)
+    cfg.check_tp(tp_size)
+    return cfg, src
