@@ -8,6 +8,7 @@ decoding new requests overlaps the forward pass. A dead worker is noticed within
 import logging
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -85,6 +86,8 @@ class MultiprocExecutor:
                 logger.error("Dropped a malformed message from %r: %s", frames[0], e)
                 continue
             if isinstance(msg, WorkerError):
+                time.sleep(0.2)  # a rank that died often makes its peers fail in a collective: name the dead one
+                self._check_alive()
                 raise WorkerFailedError(rank, f"failed: {msg.message}")
             if isinstance(msg, wanted) and rank in ranks:
                 got[rank] = msg

@@ -11,8 +11,10 @@ import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from engine_core.config import SchedulerConfig
 from engine_core.core import EngineCore
@@ -87,7 +89,8 @@ class EngineServer:
         self.config = config
         self.stopping = False
         self.owners: dict[str, bytes] = {}  # request id -> client identity
-        self.inbox: list[tuple[bytes, object]] = []  # decoded client messages, applied between steps
+        self.inbox: list[tuple[bytes, object]] = []  # decoded client messages (None: gone), applied between steps
+        self.fd_to_client: dict[int, bytes] = {}
         self.client_codec, self.outputs_codec = client_codec(), outputs_codec()
         self.metrics: EngineMetrics | None = None
         self.kv_events: KVEventPublisher | None = None
@@ -104,12 +107,18 @@ class EngineServer:
         address = self.config.address or f"ipc://{tmpdir}/engine.sock"
         ctx = zmq.Context()
         executor = None
+        bound = False
         try:
             self.sock = ctx.socket(zmq.ROUTER)
-            self.sock.setsockopt(zmq.ROUTER_NOTIFY, zmq.NOTIFY_DISCONNECT)
             self.sock.setsockopt(zmq.LINGER, 1000)
+            # A disconnect event names the connection's file descriptor; messages carry theirs (SRCFD).
+            self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self.poller = zmq.Poller()
+            self.poller.register(self.sock, zmq.POLLIN)
+            self.poller.register(self.monitor, zmq.POLLIN)
             try:
                 self.sock.bind(address)
+                bound = True
             except zmq.ZMQError as e:
                 logger.error("Cannot listen on %s: %s", address, e)
                 return 1
@@ -121,6 +130,7 @@ class EngineServer:
                 logger.error("Start-up failed: %s", e)
                 return 1
             executor.serve_while_waiting(self.sock, self._read_clients)
+            executor.serve_while_waiting(self.monitor, self._read_clients)
             try:
                 self._start_observers(ctx)
             except (OSError, zmq.ZMQError) as e:
@@ -139,8 +149,12 @@ class EngineServer:
                 self.kv_events.close()
             if executor is not None:
                 executor.shutdown()
+            self.sock.disable_monitor()
+            self.monitor.close()
             self.sock.close()
             ctx.term()
+            if bound and address.startswith("ipc://"):
+                Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
             shutil.rmtree(tmpdir, ignore_errors=True)
 
     def _start_observers(self, ctx: zmq.Context) -> None:
@@ -161,7 +175,7 @@ class EngineServer:
         last_stats = 0.0
         while not self.stopping:
             if not self.engine.has_work() and not self.inbox:
-                self.sock.poll(100)
+                self.poller.poll(100)
             self._read_clients()
             self._apply_inbox()
             if self.engine.has_work():
@@ -181,20 +195,28 @@ class EngineServer:
         return 0
 
     def _read_clients(self) -> None:
-        """Drain the client socket without blocking; decode now, apply between steps."""
+        """Drain disconnect events, then client messages, without blocking; apply them between steps.
+
+        Events first: a descriptor is reused only after its disconnect event is queued."""
         while True:
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            identity = self.fd_to_client.pop(event["value"], None)
+            if identity is not None:
+                self.inbox.append((identity, None))
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            identity = frames[0]
-            if len(frames) == 2 and frames[1] == b"":  # ROUTER_NOTIFY: the client disconnected
-                self.inbox.append((identity, None))
-                continue
+            identity = frames[0].bytes
+            self.fd_to_client[frames[-1].get(zmq.SRCFD)] = identity
             try:
                 if len(frames) != 2:
                     raise ProtocolError(f"expected 2 frames, got {len(frames)}")
-                self.inbox.append((identity, self.client_codec.decode(frames[1])))
+                self.inbox.append((identity, self.client_codec.decode(frames[1].buffer)))
             except ProtocolError as e:
                 logger.warning("Dropped a malformed client message: %s", e)
 

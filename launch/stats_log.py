@@ -12,15 +12,15 @@ class StatsLogger:
     def __init__(self, interval: float) -> None:
         self.interval = interval
         self.last_time = time.monotonic()
-        self.last: SchedulerStats | None = None
+        self.last = SchedulerStats()
 
     def maybe_log(self, stats: SchedulerStats) -> None:
         """Log a line per interval while steps happen; stay quiet while idle."""
         now = time.monotonic()
         if now - self.last_time < self.interval:
             return
-        if self.last is None or stats.step != self.last.step:
-            logger.info(format_stats_line(stats, self.last or SchedulerStats(), now - self.last_time))
+        if stats.step != self.last.step:
+            logger.info(format_stats_line(stats, self.last, now - self.last_time))
         self.last, self.last_time = stats, now
 
 
