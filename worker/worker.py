@@ -55,6 +55,8 @@ class Worker:
         check_block_tables: bool = False,
         dist_init_method: str | None = None,
     ):
+        if not 0 <= rank < tp_size:
+            raise ValueError(f"rank {rank} is outside tensor parallel size {tp_size}")
         self.device = torch.device(f"cuda:{rank}" if device == "cuda" else device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

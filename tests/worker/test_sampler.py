@@ -1,0 +1,45 @@
+"""Sampler: greedy, top-k/top-p limits, and seeds tied to the output position."""
+
+import torch
+
+from protocol import SamplingParams
+from worker.sampler import sample
+
+
+def logits(rows=4, vocab=50, seed=0):
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax():
+    x = logits()
+    assert sample(x, [SamplingParams(temperature=0.0)] * 4, [0] * 4).tolist() == x.argmax(-1).tolist()
+
+
+def test_top_k_1_and_tiny_top_p_reduce_to_argmax():
+    x = logits()
+    params = [SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6)] * 2
+    assert sample(x, params, [0] * 4).tolist() == x.argmax(-1).tolist()
+
+
+def test_top_k_keeps_samples_inside_the_k_best():
+    x = logits(rows=1, vocab=50).expand(400, 50)
+    best = set(x[0].topk(3).indices.tolist())
+    got = sample(x, [SamplingParams(temperature=5.0, top_k=3)] * 400, list(range(400)))
+    assert set(got.tolist()) <= best and len(set(got.tolist())) > 1
+
+
+def test_same_seed_and_position_same_token_whatever_the_batch():
+    x = logits(rows=1, vocab=1000)
+    p = SamplingParams(temperature=1.0, seed=42)
+    alone = sample(x, [p], [7])
+    in_batch = sample(torch.cat([logits(rows=3, vocab=1000, seed=5), x]), [SamplingParams()] * 3 + [p], [0, 0, 0, 7])
+    assert alone.item() == in_batch[-1].item()
+    draws = {sample(x, [p], [pos]).item() for pos in range(20)}
+    assert len(draws) > 1  # a new position draws new noise
+
+
+def test_mixed_batch_keeps_greedy_rows_greedy():
+    x = logits()
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=2.0, seed=1)] * 2
+    got = sample(x, params, [0] * 4)
+    assert got[0] == x[0].argmax() and got[2] == x[2].argmax()

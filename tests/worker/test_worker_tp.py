@@ -1,0 +1,90 @@
+"""Tensor parallel size 2 (two processes, gloo) gives transformers' greedy tokens; bad sizes are refused."""
+
+import multiprocessing as mp
+import queue
+import socket
+
+import pytest
+import torch
+
+from tests.worker.harness import Driver, hf_greedy, kv_config
+from tests.worker.test_worker_parity import FAMILIES, MAX_NEW, RAGGED
+from worker.model.config import ModelConfig
+from worker.model.tiny import tiny_config, write_model
+from worker.worker import Worker
+
+pytest.importorskip("transformers")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, folder: str, port: int, chunk: int, results) -> None:
+    torch.set_num_threads(1)
+    worker = Worker(
+        rank=rank,
+        tp_size=2,
+        model=folder,
+        max_model_len=256,
+        kv_cache_memory_bytes=1 << 26,
+        check_block_tables=True,
+        dist_init_method=f"tcp://127.0.0.1:{port}",
+    )
+    try:
+        report = worker.report_kv()
+        cfg = kv_config(worker, 256)
+        worker.init_kv_cache(cfg)
+        results.put((rank, report.kv_cache_specs["model.layers.0.self_attn"].num_kv_heads, Driver(worker, cfg, chunk).run(RAGGED, MAX_NEW)))
+    finally:
+        worker.shutdown()
+
+
+def run_tp2(folder, chunk: int = 1 << 30) -> dict:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, str(folder), port, chunk, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = {}
+        while len(got) < 2:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+            try:
+                rank, kv_heads, tokens = results.get(timeout=1)
+                got[rank] = (kv_heads, tokens)
+            except queue.Empty:
+                pass
+        return got
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+@pytest.mark.parametrize("name", ["llama3_tied", "qwen2_sliding"])
+def test_tp2_matches_transformers(name, tmp_path):
+    spec = dict(FAMILIES[name])
+    folder = write_model(tmp_path, spec.pop("architecture"), eos_token_id=None, **spec)
+    got = run_tp2(folder, chunk=16)
+    expected = hf_greedy(folder, RAGGED, MAX_NEW)
+    assert got[0] == (2, expected)  # 4 KV heads split over 2 ranks
+    assert got[1] == (2, expected)  # rank 1 keeps the same token history (broadcast)
+
+
+def test_tp_size_that_does_not_divide_heads_is_refused(tmp_path):
+    folder = write_model(tmp_path, num_attention_heads=6, num_key_value_heads=3, hidden_size=192)
+    with pytest.raises(ValueError, match="tensor parallel size 2 does not divide the model's 3 KV heads"):
+        Worker(model=str(folder), tp_size=2, dist_init_method="tcp://127.0.0.1:1")
+
+
+def test_head_check_names_both_counts():
+    cfg = ModelConfig.from_dict(tiny_config())
+    with pytest.raises(ValueError, match="divides both 8 and 4"):
+        cfg.check_tp(3)
