@@ -296,20 +296,20 @@ class Scheduler:
         pool = manager.block_pool
         stats = self.stats
         prefix = manager.prefix_cache_stats
-        held = {
-            block
-            for request in self.running
-            for group in manager.get_blocks(request.request_id).blocks
-            for block in group
-            if not block.is_null
-        }
+        fill: dict = {}  # block -> tokens it holds; a shared block counts once
+        for request in self.running:
+            for group in manager.get_blocks(request.request_id).blocks:
+                for i, block in enumerate(group):
+                    if not block.is_null:
+                        tokens = min(self.block_size, request.num_computed_tokens - i * self.block_size)
+                        fill[block] = max(fill.get(block, 0), tokens)
         stats.num_running_reqs = len(self.running)
         stats.num_waiting_reqs = len(self.waiting)
         stats.kv_cache_usage = manager.get_usage()
         stats.num_free_blocks = manager.get_num_free_blocks()
-        stats.num_blocks_held = len(held)
-        stats.num_cached_free_blocks = pool.num_cached_blocks - sum(1 for b in held if b.block_hash is not None)
-        stats.num_tokens_stored = sum(r.num_computed_tokens for r in self.running)
+        stats.num_blocks_held = len(fill)
+        stats.num_cached_free_blocks = pool.num_cached_blocks - sum(1 for b in fill if b.block_hash is not None)
+        stats.num_tokens_stored = sum(fill.values())
         stats.prefix_cache_queries = prefix.queries
         stats.prefix_cache_hits = prefix.hits
         stats.step = self.step

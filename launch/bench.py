@@ -40,6 +40,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     load.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="draw KV usage, cached-free blocks, running/waiting requests and throughput over time "
+                        "(needs matplotlib: pip install 'kvengine[plot]')")
+    p.add_argument("--stats-period", type=float, default=0.5, help="seconds between stats samples for --plot")
     p.add_argument("--server-log", default=None, help="write the started server's log here (default: stderr)")
     add_engine_args(p)
     p.set_defaults(func=cmd_bench)
@@ -157,18 +161,40 @@ def format_table(summary: dict, args: argparse.Namespace) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-async def _bench(args: argparse.Namespace) -> dict:
+async def sample_stats(client: AsyncEngineClient, period: float, samples: list[tuple[float, SchedulerStats]]):
+    """Poll the server's stats until cancelled, for --plot."""
+    start = time.perf_counter()
+    while True:
+        samples.append((time.perf_counter() - start, await client.get_stats()))
+        await asyncio.sleep(period)
+
+
+async def _bench(args: argparse.Namespace) -> tuple[dict, list[tuple[float, SchedulerStats]]]:
     server = contextlib.nullcontext() if args.connect else LocalServer(engine_flags_from_args(args), args.server_log)
+    samples: list[tuple[float, SchedulerStats]] = []
     async with server as local:
         async with AsyncEngineClient(args.connect or local.address) as client:
             before = await client.get_stats()
+            sampler = asyncio.create_task(sample_stats(client, args.stats_period, samples)) if args.plot else None
             results, elapsed = await drive(client, args)
+            if sampler is not None:
+                sampler.cancel()
+                await asyncio.gather(sampler, return_exceptions=True)
             after = await client.get_stats()
-    return summarize(results, elapsed, before, after)
+    return summarize(results, elapsed, before, after), samples
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.plot:
+        from launch.plot import check_matplotlib
+
+        check_matplotlib()
     install_uvloop()
-    summary = asyncio.run(_bench(args))
+    summary, samples = asyncio.run(_bench(args))
+    if args.plot:
+        from launch.plot import plot_run
+
+        plot_run(samples, args.plot, title=f"kvengine bench: {args.workload}, {summary['requests']} requests")
+        print(f"plot written to {args.plot}", file=sys.stderr)
     print(json.dumps(summary, indent=2) if args.json else format_table(summary, args))
     return 0 if summary["failed"] == 0 else 1

@@ -84,7 +84,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--as-fast-as-possible", action="store_true",
                    help="ignore timestamps: every request arrives at t=0, in trace order (offline replay)")
     g.add_argument("--prefill-cost-per-token", type=float, default=DEFAULT_PREFILL_COST_PER_TOKEN, metavar="S",
-                   help="seconds per prefill (or recomputed) token (default: %(default)g, ~40k tokens/s)")
+                   help="seconds per prefill (or recomputed) token (default: %(default)g, ~100k tokens/s)")
     g.add_argument("--decode-cost-per-step", type=float, default=DEFAULT_DECODE_COST_PER_STEP, metavar="S",
                    help="fixed seconds of every step (default: %(default)g)")
     g.add_argument("--cost-per-decode-token", type=float, default=DEFAULT_COST_PER_DECODE_TOKEN, metavar="S",

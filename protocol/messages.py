@@ -53,7 +53,7 @@ class SchedulerStats(msgspec.Struct, **_struct):
     num_free_blocks: int = 0
     num_blocks_held: int = 0  # blocks referenced by running requests
     num_cached_free_blocks: int = 0  # free, but still hold a cached prefix (evictable)
-    num_tokens_stored: int = 0  # computed tokens of running requests: occupancy = stored / (held * block size)
+    num_tokens_stored: int = 0  # tokens in the held blocks (shared ones once): occupancy = stored / (held * block size)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
