@@ -58,14 +58,6 @@ def test_allocate_slots_counts_first_so_get_new_blocks_never_raises():
     assert snapshot(mgr) == before
 
 
-# 2 ------------------------------------------------------------------------------------------------
-def test_hybrid_has_no_dcp_or_pcp_knobs():
-    for cls in (HybridKVCacheCoordinator, UnitaryKVCacheCoordinator, KVCacheCoordinator):
-        params = inspect.signature(cls.__init__).parameters
-        assert not {"dcp_world_size", "pcp_world_size"} & set(params)
-    assert not {"dcp_world_size", "pcp_world_size"} & set(inspect.signature(KVCacheManager.__init__).parameters)
-
-
 # 3 ------------------------------------------------------------------------------------------------
 def test_unitary_hashes_are_made_at_the_specs_block_size():
     mgr = make_manager(20, full_spec(4))
@@ -151,11 +143,6 @@ def test_evict_blocks_rejects_the_null_block():
     pool = BlockPool(8, enable_caching=True)
     with pytest.raises(ValueError):
         pool.evict_blocks([0])
-
-
-# 8 ------------------------------------------------------------------------------------------------
-def test_no_prefix_cache_retention_interval():
-    pytest.skip("vLLM's VLLM_PREFIX_CACHE_RETENTION_INTERVAL has no kvengine counterpart: nothing to validate")
 
 
 # English seed, "Errors and edge cases" rows not covered by the files above -------------------------
