@@ -39,7 +39,9 @@ class WorkerFailedError(RuntimeError):
 
 
 class MultiprocExecutor:
-    def __init__(self, ctx: zmq.Context, address: str, configs: list[WorkerConfig]) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, configs: list[WorkerConfig],
+                 entry: tuple[str, ...] = (sys.executable, "-m", "launch.worker_main")) -> None:
+        """entry: the command that runs one worker; it gets the WorkerConfig as JSON."""
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished rank raises
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -51,7 +53,7 @@ class MultiprocExecutor:
         self.poller.register(self.sock, zmq.POLLIN)
         self.handlers: dict[zmq.Socket, Callable[[], None]] = {}
         self.procs = [
-            subprocess.Popen([sys.executable, "-m", "launch.worker_main", msgspec.json.encode(c).decode()])
+            subprocess.Popen([*entry, msgspec.json.encode(c).decode()])
             for c in configs
         ]
 

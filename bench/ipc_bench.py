@@ -1,0 +1,161 @@
+"""Engine-core step overhead across processes with an instant model: scheduling, msgspec and ZeroMQ only.
+
+The workers here run the real worker socket protocol but execute each SchedulerOutput with the
+model-free ReferenceExecutor. Each configuration is compared, in the same run, with a bare ZeroMQ
+round trip of the same bytes (the encoded SchedulerOutput to every rank, the ModelRunnerOutput back).
+
+    python bench/ipc_bench.py [--running 256] [--steps 300] [--tp 1 2 4]
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import msgspec
+import zmq
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine_core.config import SchedulerConfig  # noqa: E402
+from engine_core.core import EngineCore  # noqa: E402
+from engine_core.reference_executor import ReferenceExecutor  # noqa: E402
+from launch.executor import MultiprocExecutor  # noqa: E402
+from launch.worker_config import WorkerConfig  # noqa: E402
+from protocol import (  # noqa: E402
+    EngineCoreRequest,
+    FullAttentionSpec,
+    InitKVCache,
+    SamplingParams,
+    SchedulerOutput,
+    Shutdown,
+    WorkerReady,
+)
+from protocol.codec import engine_to_worker_codec, worker_to_engine_codec  # noqa: E402
+
+SPEC = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype_bytes=2)
+
+
+def instant_worker(config: WorkerConfig) -> None:
+    """A worker process whose 'model' is the ReferenceExecutor: same sockets, same messages."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"rank{config.rank}".encode())
+    sock.connect(config.engine_address)
+    to_engine, from_engine = worker_to_engine_codec(), engine_to_worker_codec()
+    executor = ReferenceExecutor(available_kv_bytes=[config.kv_cache_memory_bytes], kv_cache_specs={"l0": SPEC})
+    report = executor.determine_available_memory()[0]
+    sock.send(to_engine.encode(msgspec.structs.replace(report, rank=config.rank)))
+    while True:
+        msg = from_engine.decode(sock.recv())
+        if isinstance(msg, SchedulerOutput):
+            out = executor.execute_model(msg)
+            if config.rank == 0:
+                sock.send(to_engine.encode(out))
+        elif isinstance(msg, InitKVCache):
+            executor.initialize_kv_cache(msg.kv_cache_config)
+            sock.send(to_engine.encode(WorkerReady(config.rank, msg.kv_cache_config.num_blocks)))
+        elif isinstance(msg, Shutdown):
+            break
+    sock.close()
+    ctx.term()
+
+
+def engine_steps(tp: int, running: int, steps: int, tmpdir: str) -> tuple[list[float], int, int]:
+    """Microseconds per EngineCore.step() with `running` requests decoding; also message sizes."""
+    ctx = zmq.Context()
+    address = f"ipc://{tmpdir}/workers-{tp}.sock"
+    blocks = running * 80
+    configs = [WorkerConfig(rank=r, tp_size=tp, engine_address=address, dist_init_method="",
+                            kv_cache_memory_bytes=blocks * SPEC.page_size_bytes) for r in range(tp)]
+    executor = MultiprocExecutor(ctx, address, configs, entry=(sys.executable, os.path.abspath(__file__), "--worker"))
+    core = EngineCore(SchedulerConfig(max_model_len=4096, max_num_seqs=running, max_num_batched_tokens=8192), executor)
+    params = SamplingParams(max_tokens=steps + 200, temperature=0.0, ignore_eos=True)
+    for i in range(running):
+        core.add_request(EngineCoreRequest(f"r{i}", [(i * 7 + j) % 1000 for j in range(200)], params, 0.0))
+    while core.scheduler.waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
+        core.step()  # prefill everything first: only decode steps are timed
+    so = core.scheduler.schedule()  # one decode step by hand, to learn the message sizes
+    out = executor.execute_model(so)
+    core.scheduler.update_from_output(so, out)
+    so_bytes = len(engine_to_worker_codec().encode(so))
+    out_bytes = len(worker_to_engine_codec().encode(out))
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        core.step()
+        times.append((time.perf_counter() - start) * 1e6)
+    executor.shutdown()
+    ctx.term()
+    return times, so_bytes, out_bytes
+
+
+def echo_peer(address: str, rank: int, reply_bytes: int) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"rank{rank}".encode())
+    sock.connect(address)
+    sock.send(b"hello")
+    reply = b"x" * reply_bytes
+    while (msg := sock.recv()) != b"stop":
+        if rank == 0:
+            sock.send(reply)
+    sock.close()
+    ctx.term()
+
+
+def bare_round_trips(tp: int, so_bytes: int, out_bytes: int, steps: int, tmpdir: str) -> list[float]:
+    """The same bytes over the same socket types, with nothing else done."""
+    import multiprocessing as mp
+
+    ctx = zmq.Context()
+    address = f"ipc://{tmpdir}/bare-{tp}.sock"
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(address)
+    procs = [mp.get_context("spawn").Process(target=echo_peer, args=(address, r, out_bytes)) for r in range(tp)]
+    for p in procs:
+        p.start()
+    for _ in range(tp):
+        router.recv_multipart()
+    payload = b"y" * so_bytes
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        for r in range(tp):
+            router.send_multipart([f"rank{r}".encode(), payload])
+        router.recv_multipart()
+        times.append((time.perf_counter() - start) * 1e6)
+    for r in range(tp):
+        router.send_multipart([f"rank{r}".encode(), b"stop"])
+    for p in procs:
+        p.join()
+    router.close()
+    ctx.term()
+    return times
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        instant_worker(msgspec.json.decode(sys.argv[2], type=WorkerConfig))
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--running", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+    args = parser.parse_args()
+    print(f"engine-core step with an instant model, {args.running} running requests decoding, "
+          f"{args.steps} steps per row (medians; mean in brackets)")
+    print(f"{'TP':>3} {'step us':>16} {'bare zmq us':>16} {'ratio':>6} {'SchedulerOutput':>16} {'output':>8}")
+    with tempfile.TemporaryDirectory() as tmpdir:
+        for tp in args.tp:
+            times, so_bytes, out_bytes = engine_steps(tp, args.running, args.steps, tmpdir)
+            bare = bare_round_trips(tp, so_bytes, out_bytes, args.steps, tmpdir)
+            step, rt = statistics.median(times), statistics.median(bare)
+            print(f"{tp:>3} {step:>8.0f} [{statistics.mean(times):>5.0f}] {rt:>8.0f} [{statistics.mean(bare):>5.0f}] "
+                  f"{step / rt:>6.1f} {so_bytes:>14} B {out_bytes:>6} B")
+
+
+if __name__ == "__main__":
+    main()
