@@ -1,0 +1,228 @@
+"""Model benchmarks: engine vs transformers generate, cached-prefix prefill, paged attention vs SDPA.
+
+    python bench/model_bench.py                 # everything, both models
+    python bench/model_bench.py --only attention --device cuda
+
+Figures depend on the machine and on what else runs there; the numbers are printed, never asserted.
+"""
+
+import argparse
+import gc
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine_core.config import SchedulerConfig  # noqa: E402
+from engine_core.core import EngineCore  # noqa: E402
+from protocol import EngineCoreRequest, SamplingParams  # noqa: E402
+from worker.attention import GatherBuffer, StepRequests, build_metadata, paged_attention  # noqa: E402
+from worker.executor import InProcExecutor  # noqa: E402
+from worker.model.tiny import write_model  # noqa: E402
+
+MODELS = {
+    "tiny": dict(),  # the built-in default sizes
+    "large": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                  intermediate_size=2816, vocab_size=8192),
+}
+
+
+def table(title: str, header: list[str], rows: list[list]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    print(f"\n{title}")
+    for r in [header, ["-" * w for w in widths], *rows]:
+        print("  ".join(str(x).rjust(w) for x, w in zip(r, widths)))
+
+
+def progress(msg: str) -> None:
+    print(f"  ... {msg}", file=sys.stderr, flush=True)
+
+
+# ---- engine vs transformers ---------------------------------------------------------------------
+
+
+def make_engine(folder, device, max_model_len=1536, max_num_seqs=64, kv_bytes=2 << 30) -> EngineCore:
+    executor = InProcExecutor(model=str(folder), device=device, max_model_len=max_model_len,
+                              max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, kv_cache_memory_bytes=kv_bytes)
+    config = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
+    return EngineCore(config, executor)
+
+
+def engine_generate(engine: EngineCore, prompts, out_lens) -> tuple[float, int]:
+    """Seconds and output tokens for the whole workload, continuous batching."""
+    start = time.perf_counter()
+    for i, (p, n) in enumerate(zip(prompts, out_lens)):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        engine.add_request(EngineCoreRequest(f"b{start}-{i}", p, params, arrival_time=time.time()))
+    tokens = 0
+    while engine.has_work():
+        tokens += sum(len(o.new_token_ids) for o in engine.step().outputs)
+    return time.perf_counter() - start, tokens
+
+
+def hf_generate(model, prompts, out_lens, batch_size: int, device) -> tuple[float, int]:
+    """transformers generate in static batches (left padded); counts only the tokens each request asked for."""
+    start, useful = time.perf_counter(), 0
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # help HF: similar lengths together
+    for b in range(0, len(order), batch_size):
+        idx = order[b : b + batch_size]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(idx):
+            ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+            mask[row, width - len(prompts[i]) :] = 1
+        n = max(out_lens[i] for i in idx)
+        model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0)
+        useful += sum(out_lens[i] for i in idx)
+    return time.perf_counter() - start, useful
+
+
+def workloads(vocab: int, quick: bool):
+    rng = random.Random(0)
+    uniform_n, ragged_n = (8, 16) if quick else (32, 64)
+    uniform = ([[rng.randrange(3, vocab) for _ in range(128)] for _ in range(uniform_n)], [64] * uniform_n)
+    ragged_prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(32, 1024))] for _ in range(ragged_n)]
+    ragged = (ragged_prompts, [rng.randint(16, 256) for _ in range(ragged_n)])
+    return {f"uniform {uniform_n} x 128 -> 64": uniform, f"ragged {ragged_n} x 32-1024 -> 16-256": ragged}
+
+
+def bench_throughput(name: str, folder, device, quick: bool, hf_batch: int) -> list[list]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    engine = make_engine(folder, device)
+    rows = []
+    for wl_name, (prompts, outs) in workloads(hf.config.vocab_size, quick).items():
+        progress(f"{name}: {wl_name}: engine")
+        with torch.inference_mode():
+            e_s, e_tok = engine_generate(engine, prompts, outs)
+            progress(f"{name}: {wl_name}: transformers generate")
+            h_s, h_tok = hf_generate(hf, prompts, outs, hf_batch, device)
+        rows.append([name, wl_name, f"{e_tok / e_s:.1f}", f"{h_tok / h_s:.1f}", f"{(e_tok / e_s) / (h_tok / h_s):.2f}x"])
+    engine.shutdown()
+    del hf, engine
+    gc.collect()
+    return rows
+
+
+# ---- cached vs uncached prefix -------------------------------------------------------------------
+
+
+def bench_prefix(name: str, folder, device, repeats: int = 3) -> list[list]:
+    engine = make_engine(folder, device)
+    rng = random.Random(1)
+    vocab = engine.scheduler.vocab_size if hasattr(engine.scheduler, "vocab_size") else 1000
+    vocab = min(vocab, 1000)
+
+    def first_token_time(prompt) -> float:
+        t = time.perf_counter()
+        engine_generate(engine, [prompt], [1])
+        return time.perf_counter() - t
+
+    cold, warm = [], []
+    for _ in range(repeats):
+        prefix = [rng.randrange(3, vocab) for _ in range(1024)]
+        cold.append(first_token_time(prefix + [rng.randrange(3, vocab) for _ in range(16)]))
+        warm.append(first_token_time(prefix + [rng.randrange(3, vocab) for _ in range(16)]))
+    engine.shutdown()
+    c, w = min(cold), min(warm)
+    return [[name, f"{c * 1e3:.1f}", f"{w * 1e3:.1f}", f"{c / w:.1f}x"]]
+
+
+# ---- paged attention vs SDPA on contiguous K/V ---------------------------------------------------
+
+
+def bench_attention(device, heads=16, kv_heads=4, head_dim=64, seqs=64, ctx=1024, block_size=16, iters=10):
+    """One decode step of one layer: 64 sequences with 1,024 tokens each (blocks scattered) vs SDPA on
+    the same K/V stored contiguously per sequence."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    nblk = seqs * ctx // block_size
+    cache = torch.randn(2, kv_heads, nblk + 1, block_size, head_dim, generator=g).to(device, dtype)
+    table = (torch.randperm(nblk, generator=g) + 1).view(seqs, -1).to(torch.int32).to(device)
+    q = torch.randn(seqs, heads, head_dim, generator=g).to(device, dtype)
+    k_new = torch.randn(seqs, kv_heads, head_dim, generator=g).to(device, dtype)
+    v_new = torch.randn_like(k_new)
+    pos = torch.full((seqs,), ctx - 1, device=device)
+    rows = torch.arange(seqs, device=device)
+    meta = build_metadata(table, block_size, None, StepRequests(rows, pos, torch.ones_like(pos), rows, pos, rows))
+    buffer = GatherBuffer(ctx, kv_heads, head_dim, dtype, device)
+    scale = head_dim**-0.5
+
+    def paged():
+        return paged_attention(q, k_new, v_new, cache, meta, buffer, scale)
+
+    with torch.inference_mode():
+        paged()  # writes the new tokens, so the dense copy below holds the same K/V
+        dense_kv = [
+            cache[i][:, table.long()].permute(1, 0, 2, 3, 4).reshape(seqs, kv_heads, ctx, head_dim).contiguous()
+            for i in (0, 1)
+        ]
+
+    def dense():
+        return F.scaled_dot_product_attention(q.unsqueeze(2), *dense_kv, scale=scale, enable_gqa=True)
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        best = float("inf")
+        for _ in range(iters):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    with torch.inference_mode():
+        diff = (paged().view(seqs, heads, head_dim) - dense().squeeze(2)).abs().max().item()
+        p, d = timed(paged), timed(dense)
+    shape = f"{seqs} x {ctx}, {heads}/{kv_heads} heads x {head_dim}"
+    return [[shape, torch.get_num_threads(), f"{p * 1e3:.2f}", f"{d * 1e3:.2f}", f"{p / d:.2f}x", f"{diff:.1e}"]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--models", default="tiny,large")
+    ap.add_argument("--only", choices=["throughput", "prefix", "attention"], action="append")
+    ap.add_argument("--quick", action="store_true", help="smaller workloads (16 ragged requests)")
+    ap.add_argument("--hf-batch", type=int, default=8, help="transformers generate batch size")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    parts = args.only or ["attention", "prefix", "throughput"]
+    if "attention" in parts:
+        rows = bench_attention(args.device) + bench_attention(args.device, heads=8, kv_heads=4, head_dim=32)
+        table("paged attention vs SDPA on contiguous K/V (one layer, one decode step, best of 10)",
+              ["shape", "threads", "paged ms", "SDPA ms", "ratio", "max |diff|"], rows)
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = {}
+        for name in args.models.split(","):
+            progress(f"writing the {name} model")
+            folders[name] = write_model(Path(tmp) / name, eos_token_id=None, max_position_embeddings=2048,
+                                        **MODELS[name])
+        if "prefix" in parts:
+            rows = [r for name, f in folders.items() for r in bench_prefix(name, f, args.device)]
+            table("prefill of 1,024 + 16 tokens: prefix not cached vs cached (best of 3)",
+                  ["model", "uncached ms", "cached ms", "speed-up"], rows)
+        if "throughput" in parts:
+            rows = [r for name, f in folders.items()
+                    for r in bench_throughput(name, f, args.device, args.quick, args.hf_batch)]
+            table("output tokens/s: engine (continuous batching) vs transformers generate",
+                  ["model", "workload", "engine tok/s", "HF tok/s", "engine/HF"], rows)
+
+
+if __name__ == "__main__":
+    main()
