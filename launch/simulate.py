@@ -8,6 +8,7 @@ model (see engine_core/simulate.py for the executor, the token synthesis and the
 import argparse
 import dataclasses
 import json
+import logging
 import sys
 
 from engine_core.simulate import (
@@ -205,6 +206,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print("kvengine simulate: --plot needs --sweep", file=sys.stderr)
         return 2
     progress = not args.no_progress
+    # Requests longer than the cache can hold are rejected one by one; the table counts them instead.
+    logging.getLogger("engine_core.scheduler").setLevel(logging.ERROR)
     problems: list[str] = []
     hits = count_prefix_hits(requests, config.block_size)
     try:

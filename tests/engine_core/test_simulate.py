@@ -291,3 +291,14 @@ def test_cli_bad_input(tmp_path, capsys):
     assert main(["simulate", "--trace", str(bad), "--no-progress"]) == 2
     assert "not a Mooncake trace record" in capsys.readouterr().err
     assert main(["simulate", "--trace", write_trace(tmp_path), "--block-size", "48", "--no-progress"]) == 2
+
+
+def test_cli_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from launch.cli import main
+
+    png = tmp_path / "sweep.png"
+    assert main(["simulate", "--trace", write_trace(tmp_path), "--no-progress", "--sweep", "--sweep-min", "1000",
+                 "--sweep-max", "1e4", "--sweep-points", "2", "--plot", str(png)]) == 0
+    assert png.stat().st_size > 1000
+    assert "plot written" in capsys.readouterr().out
