@@ -1,5 +1,7 @@
 """Greedy tokens of the paged-cache worker equal transformers' generate (float32, CPU, tiny random models)."""
 
+import os
+
 import pytest
 import torch
 
@@ -51,8 +53,12 @@ def family(request, tmp_path_factory):
     return folder, hf_greedy(folder, RAGGED, MAX_NEW)
 
 
+DEVICE = os.environ.get("KVENGINE_TEST_DEVICE", "cpu")  # bench/gpu_check.sh runs these on cuda
+
+
 def make_worker(folder, **kw):
-    w = Worker(model=str(folder), max_model_len=256, kv_cache_memory_bytes=1 << 26, check_block_tables=True, **kw)
+    w = Worker(model=str(folder), device=DEVICE, dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 26,
+               check_block_tables=True, **kw)
     cfg = kv_config(w, 256)
     w.init_kv_cache(cfg)
     return w, cfg
