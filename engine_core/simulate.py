@@ -515,6 +515,13 @@ def replay(
         while True:
             while next_i < n and arrivals[next_i] <= clock and len(waiting) < lookahead:
                 req = requests[next_i]
+                if req.input_length > max_model_len:
+                    # The scheduler would reject it on length alone; skip synthesising its prompt.
+                    num_rejected += 1
+                    next_i += 1
+                    if report is not None:
+                        report(1)
+                    continue
                 rid = f"req-{req.index}"
                 by_id[rid] = next_i
                 core.add_request(
