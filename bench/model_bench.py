@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine_core.config import SchedulerConfig  # noqa: E402
 from engine_core.core import EngineCore  # noqa: E402
 from protocol import EngineCoreRequest, SamplingParams  # noqa: E402
-from worker.attention import GatherBuffer, StepRequests, build_metadata, paged_attention  # noqa: E402
+from worker.attention import DECODE_CHUNK_BYTES, GatherBuffer, StepRequests, build_metadata, paged_attention  # noqa: E402
 from worker.executor import InProcExecutor  # noqa: E402
 from worker.model.tiny import write_model  # noqa: E402
 
@@ -67,11 +67,11 @@ def engine_generate(engine: EngineCore, prompts, out_lens) -> tuple[float, int]:
 
 
 def hf_generate(model, prompts, out_lens, batch_size: int, device) -> tuple[float, int]:
-    """transformers generate in static batches (left padded); counts only the tokens each request asked for."""
+    """transformers generate in static batches of arriving requests (left padded, each batch runs to its
+    longest output); counts only the tokens each request asked for."""
     start, useful = time.perf_counter(), 0
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # help HF: similar lengths together
-    for b in range(0, len(order), batch_size):
-        idx = order[b : b + batch_size]
+    for b in range(0, len(prompts), batch_size):
+        idx = range(b, min(b + batch_size, len(prompts)))
         width = max(len(prompts[i]) for i in idx)
         ids = torch.zeros(len(idx), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -153,8 +153,9 @@ def bench_attention(device, heads=16, kv_heads=4, head_dim=64, seqs=64, ctx=1024
     v_new = torch.randn_like(k_new)
     pos = torch.full((seqs,), ctx - 1, device=device)
     rows = torch.arange(seqs, device=device)
-    meta = build_metadata(table, block_size, None, StepRequests(rows, pos, torch.ones_like(pos), rows, pos, rows))
-    buffer = GatherBuffer(ctx, kv_heads, head_dim, dtype, device)
+    kvbpt = 2 * kv_heads * head_dim * cache.element_size()
+    meta = build_metadata(table, block_size, None, StepRequests(rows, pos, torch.ones_like(pos), rows, pos, rows), kvbpt)
+    buffer = GatherBuffer(max(ctx, DECODE_CHUNK_BYTES // kvbpt), kv_heads, head_dim, dtype, device)
     scale = head_dim**-0.5
 
     def paged():

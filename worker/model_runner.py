@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from protocol import KVCacheConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput, SlidingWindowSpec
-from worker.attention import GatherBuffer, StepRequests, build_metadata
+from worker.attention import DECODE_CHUNK_BYTES, GatherBuffer, StepRequests, build_metadata
 from worker.block_table import BlockTables
 from worker.model.llama import LlamaModel
 from worker.sampler import sample
@@ -48,7 +48,9 @@ class ModelRunner:
         self._check_windows(groups)
         max_blocks = -(-self.max_model_len // self.block_size)
         self.tables = BlockTables(len(groups), self.max_num_seqs, max_blocks, device)
-        self.buffer = GatherBuffer(max_blocks * self.block_size, m.kv_heads_per_rank, m.cfg.head_dim, dtype, device)
+        self.kv_bytes_per_token = 2 * m.kv_heads_per_rank * m.cfg.head_dim * torch.finfo(dtype).bits // 8
+        buffer_tokens = max(max_blocks * self.block_size, DECODE_CHUNK_BYTES // self.kv_bytes_per_token)
+        self.buffer = GatherBuffer(buffer_tokens, m.kv_heads_per_rank, m.cfg.head_dim, dtype, device)
         self.device = device
 
     def _check_windows(self, groups) -> None:
@@ -117,7 +119,7 @@ class ModelRunner:
             token_rows=torch.repeat_interleave(rows, counts_t),
         )
         metas = [
-            build_metadata(t.table, self.block_size, w, reqs)
+            build_metadata(t.table, self.block_size, w, reqs, self.kv_bytes_per_token)
             for t, w in zip(self.tables.groups, self.windows)
         ]
         hidden = self.model.forward(

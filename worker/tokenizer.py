@@ -7,6 +7,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from worker.model.gguf_meta import field, open_gguf
+
 _GGUF_CONTROL = 3  # llama.cpp token type of special tokens such as <|im_start|>
 
 
@@ -22,19 +24,17 @@ def load_tokenizer(model: str | Path) -> Tokenizer:
 
 def _gguf_tokenizer(path: Path) -> Tokenizer:
     """Byte-level BPE (llama.cpp `gpt2` tokenizer model) rebuilt from the GGUF vocabulary and merges."""
-    from worker.model.gguf_loader import _field, _reader
-
-    _, reader = _reader(path)
-    kind = _field(reader, "tokenizer.ggml.model")
+    _, reader = open_gguf(path)
+    kind = field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"{path}: tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges")]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     tok.decoder = decoders.ByteLevel()
-    types = _field(reader, "tokenizer.ggml.token_type") or []
+    types = field(reader, "tokenizer.ggml.token_type") or []
     tok.add_special_tokens([AddedToken(t, special=True) for t, ty in zip(tokens, types) if ty == _GGUF_CONTROL])
     return tok

@@ -56,7 +56,7 @@ def test_slot_mapping_is_block_id_times_block_size_plus_offset():
         positions=torch.tensor([3, 4, 5, 6, 7, 8, 6]),
         token_rows=torch.tensor([0] * 6 + [2]),
     )
-    meta = build_metadata(table, bs, None, reqs)
+    meta = build_metadata(table, bs, None, reqs, kv_bytes_per_token=64)
     assert meta.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 9 * 4, 1 * 4 + 2]
 
 

@@ -5,6 +5,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from worker.model.gguf_meta import field, open_gguf
+
 _NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -18,37 +20,24 @@ _NAMES = {
 }
 
 
-def _reader(path: str | Path):
-    try:
-        import gguf
-    except ImportError as e:
-        raise ImportError("loading a .gguf model needs the optional extra: pip install 'kvengine[gguf]'") from e
-    return gguf, gguf.GGUFReader(str(path))
-
-
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
 def gguf_config(reader) -> dict:
     """An HF-style config.json dict from the GGUF metadata."""
-    arch = _field(reader, "general.architecture")
+    arch = field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"unsupported GGUF architecture {arch!r}; only llama")
-    heads = _field(reader, "llama.attention.head_count")
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    heads = field(reader, "llama.attention.head_count")
+    eos = field(reader, "tokenizer.ggml.eos_token_id")
     return dict(
         architectures=["LlamaForCausalLM"],
-        vocab_size=_field(reader, "llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
-        hidden_size=_field(reader, "llama.embedding_length"),
-        intermediate_size=_field(reader, "llama.feed_forward_length"),
-        num_hidden_layers=_field(reader, "llama.block_count"),
+        vocab_size=field(reader, "llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=field(reader, "llama.embedding_length"),
+        intermediate_size=field(reader, "llama.feed_forward_length"),
+        num_hidden_layers=field(reader, "llama.block_count"),
         num_attention_heads=heads,
-        num_key_value_heads=_field(reader, "llama.attention.head_count_kv", heads),
-        rms_norm_eps=_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5),
-        max_position_embeddings=_field(reader, "llama.context_length", 2048),
-        rope_theta=_field(reader, "llama.rope.freq_base", 10000.0),
+        num_key_value_heads=field(reader, "llama.attention.head_count_kv", heads),
+        rms_norm_eps=field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5),
+        max_position_embeddings=field(reader, "llama.context_length", 2048),
+        rope_theta=field(reader, "llama.rope.freq_base", 10000.0),
         tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
         eos_token_id=eos,
     )
@@ -61,7 +50,7 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def load_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    gguf, reader = _reader(path)
+    gguf, reader = open_gguf(path)
     cfg = gguf_config(reader)
     weights = {}
     for t in reader.tensors:
