@@ -28,8 +28,14 @@ from worker.model.tiny import write_model  # noqa: E402
 
 MODELS = {
     "tiny": dict(),  # the built-in default sizes
-    "large": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
-                  intermediate_size=2816, vocab_size=8192),
+    "large": dict(
+        hidden_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        intermediate_size=2816,
+        vocab_size=8192,
+    ),
 }
 
 
@@ -48,8 +54,14 @@ def progress(msg: str) -> None:
 
 
 def make_engine(folder, device, max_model_len=1536, max_num_seqs=64, kv_bytes=2 << 30) -> EngineCore:
-    executor = InProcExecutor(model=str(folder), device=device, max_model_len=max_model_len,
-                              max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, kv_cache_memory_bytes=kv_bytes)
+    executor = InProcExecutor(
+        model=str(folder),
+        device=device,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=2048,
+        kv_cache_memory_bytes=kv_bytes,
+    )
     config = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
     return EngineCore(config, executor)
 
@@ -79,8 +91,14 @@ def hf_generate(model, prompts, out_lens, batch_size: int, device) -> tuple[floa
             ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
             mask[row, width - len(prompts[i]) :] = 1
         n = max(out_lens[i] for i in idx)
-        model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False, pad_token_id=0)
+        model.generate(
+            ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
         useful += sum(out_lens[i] for i in idx)
     return time.perf_counter() - start, useful
 
@@ -106,7 +124,9 @@ def bench_throughput(name: str, folder, device, quick: bool, hf_batch: int) -> l
             e_s, e_tok = engine_generate(engine, prompts, outs)
             progress(f"{name}: {wl_name}: transformers generate")
             h_s, h_tok = hf_generate(hf, prompts, outs, hf_batch, device)
-        rows.append([name, wl_name, f"{e_tok / e_s:.1f}", f"{h_tok / h_s:.1f}", f"{(e_tok / e_s) / (h_tok / h_s):.2f}x"])
+        rows.append(
+            [name, wl_name, f"{e_tok / e_s:.1f}", f"{h_tok / h_s:.1f}", f"{(e_tok / e_s) / (h_tok / h_s):.2f}x"]
+        )
     engine.shutdown()
     del hf, engine
     gc.collect()
@@ -154,7 +174,9 @@ def bench_attention(device, heads=16, kv_heads=4, head_dim=64, seqs=64, ctx=1024
     pos = torch.full((seqs,), ctx - 1, device=device)
     rows = torch.arange(seqs, device=device)
     kvbpt = 2 * kv_heads * head_dim * cache.element_size()
-    meta = build_metadata(table, block_size, None, StepRequests(rows, pos, torch.ones_like(pos), rows, pos, rows), kvbpt)
+    meta = build_metadata(
+        table, block_size, None, StepRequests(rows, pos, torch.ones_like(pos), rows, pos, rows), kvbpt
+    )
     buffer = GatherBuffer(max(ctx, DECODE_CHUNK_BYTES // kvbpt), kv_heads, head_dim, dtype, device)
     scale = head_dim**-0.5
 
@@ -206,23 +228,36 @@ def main() -> None:
     parts = args.only or ["attention", "prefix", "throughput"]
     if "attention" in parts:
         rows = bench_attention(args.device) + bench_attention(args.device, heads=8, kv_heads=4, head_dim=32)
-        table("paged attention vs SDPA on contiguous K/V (one layer, one decode step, best of 10)",
-              ["shape", "threads", "paged ms", "SDPA ms", "ratio", "max |diff|"], rows)
+        table(
+            "paged attention vs SDPA on contiguous K/V (one layer, one decode step, best of 10)",
+            ["shape", "threads", "paged ms", "SDPA ms", "ratio", "max |diff|"],
+            rows,
+        )
     with tempfile.TemporaryDirectory() as tmp:
         folders = {}
         for name in args.models.split(","):
             progress(f"writing the {name} model")
-            folders[name] = write_model(Path(tmp) / name, eos_token_id=None, max_position_embeddings=2048,
-                                        **MODELS[name])
+            folders[name] = write_model(
+                Path(tmp) / name, eos_token_id=None, max_position_embeddings=2048, **MODELS[name]
+            )
         if "prefix" in parts:
             rows = [r for name, f in folders.items() for r in bench_prefix(name, f, args.device)]
-            table("prefill of 1,024 + 16 tokens: prefix not cached vs cached (best of 3)",
-                  ["model", "uncached ms", "cached ms", "speed-up"], rows)
+            table(
+                "prefill of 1,024 + 16 tokens: prefix not cached vs cached (best of 3)",
+                ["model", "uncached ms", "cached ms", "speed-up"],
+                rows,
+            )
         if "throughput" in parts:
-            rows = [r for name, f in folders.items()
-                    for r in bench_throughput(name, f, args.device, args.quick, args.hf_batch)]
-            table("output tokens/s: engine (continuous batching) vs transformers generate",
-                  ["model", "workload", "engine tok/s", "HF tok/s", "engine/HF"], rows)
+            rows = [
+                r
+                for name, f in folders.items()
+                for r in bench_throughput(name, f, args.device, args.quick, args.hf_batch)
+            ]
+            table(
+                "output tokens/s: engine (continuous batching) vs transformers generate",
+                ["model", "workload", "engine tok/s", "HF tok/s", "engine/HF"],
+                rows,
+            )
 
 
 if __name__ == "__main__":

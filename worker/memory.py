@@ -6,13 +6,10 @@ the budget is kv_cache_memory_bytes, or CPU_DEFAULT_SHARE of the RAM the OS repo
 An explicit kv_cache_memory_bytes skips profiling on either device.
 """
 
-import logging
 import math
 from dataclasses import dataclass
 
 import torch
-
-log = logging.getLogger(__name__)
 
 CPU_DEFAULT_SHARE = 0.25
 GIB = 1 << 30

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol import KVCacheConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput, SlidingWindowSpec
+from protocol import KVCacheConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput
 from worker.attention import DECODE_CHUNK_BYTES, GatherBuffer, StepRequests, build_metadata
 from worker.block_table import BlockTables
 from worker.model.llama import LlamaModel

@@ -104,7 +104,9 @@ class Driver:
                 b.extend(a)
             counts[req.req_id] = n
             if not req.sent:
-                new.append(NewRequestData(req.req_id, req.prompt, req.outputs, req.params, req.blocks, req.num_computed))
+                new.append(
+                    NewRequestData(req.req_id, req.prompt, req.outputs, req.params, req.blocks, req.num_computed)
+                )
             else:
                 cached.req_ids.append(req.req_id)
                 cached.new_block_ids.append(added if any(added) else None)

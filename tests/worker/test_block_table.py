@@ -67,11 +67,23 @@ def _new(req_id, blocks):
 def test_worker_fails_loudly_on_a_digest_mismatch():
     w = Worker(max_model_len=64, kv_cache_memory_bytes=1 << 24, check_block_tables=True)
     w.init_kv_cache(kv_config(w, 16))
-    ok = SchedulerOutput(0, [_new("a", [[1, 2]])], CachedRequestData(), {"a": 20}, 20,
-                         block_table_digests={"a": block_ids_digest([[1, 2]])})
+    ok = SchedulerOutput(
+        0,
+        [_new("a", [[1, 2]])],
+        CachedRequestData(),
+        {"a": 20},
+        20,
+        block_table_digests={"a": block_ids_digest([[1, 2]])},
+    )
     assert w.execute_model(ok).sampled_token_ids[0]
     # the ledger appended block 3, but the message lost it: the worker's table says [1, 2]
-    bad = SchedulerOutput(1, [], CachedRequestData(["a"], [None], [20]), {"a": 1}, 1,
-                          block_table_digests={"a": block_ids_digest([[1, 2, 3]])})
+    bad = SchedulerOutput(
+        1,
+        [],
+        CachedRequestData(["a"], [None], [20]),
+        {"a": 1},
+        1,
+        block_table_digests={"a": block_ids_digest([[1, 2, 3]])},
+    )
     with pytest.raises(BlockTableMismatch):
         w.execute_model(bad)

@@ -13,7 +13,13 @@ GIB = 1 << 30
 def test_cuda_formula():
     b = memory.cuda_budget(total=80 * GIB, utilization=0.9, weights=16 * GIB, peak_activation=2 * GIB, non_torch=GIB)
     assert b.available_bytes == int(80 * GIB * 0.9) - 19 * GIB
-    for term in ("total 80.00 GiB", "gpu_memory_utilization 0.9", "weights 16.00", "peak activation 2.00", "non-torch 1.00"):
+    for term in (
+        "total 80.00 GiB",
+        "gpu_memory_utilization 0.9",
+        "weights 16.00",
+        "peak activation 2.00",
+        "non-torch 1.00",
+    ):
         assert term in b.detail
 
 

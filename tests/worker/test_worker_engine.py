@@ -37,10 +37,16 @@ def test_engine_with_preemption_and_prefix_cache_matches_transformers(name, num_
     folder = write_model(tmp_path, spec.pop("architecture"), eos_token_id=None, **spec)
     first = prompts([70, 45, 33, 52, 20, 64], seed=4)
     second = [first[0][:48] + [9, 9], first[3] + [1, 2, 3]]
-    executor = InProcExecutor(model=str(folder), max_model_len=96, max_num_seqs=8,
-                              kv_cache_memory_bytes=1 << 24, check_block_tables=True)
-    config = SchedulerConfig(max_model_len=96, max_num_seqs=8, max_num_batched_tokens=48,
-                             num_gpu_blocks_override=num_blocks, check_block_tables=True)
+    executor = InProcExecutor(
+        model=str(folder), max_model_len=96, max_num_seqs=8, kv_cache_memory_bytes=1 << 24, check_block_tables=True
+    )
+    config = SchedulerConfig(
+        max_model_len=96,
+        max_num_seqs=8,
+        max_num_batched_tokens=48,
+        num_gpu_blocks_override=num_blocks,
+        check_block_tables=True,
+    )
     engine = EngineCore(config, executor)
     try:
         got = run_engine(engine, [first, second])
@@ -60,8 +66,9 @@ def test_seeded_sampling_survives_preemption(tmp_path):
     results, preemptions = [], []
     for num_blocks in (12, 64):
         executor = InProcExecutor(model=str(folder), max_model_len=96, kv_cache_memory_bytes=1 << 24)
-        engine = EngineCore(SchedulerConfig(max_model_len=96, max_num_batched_tokens=48,
-                                            num_gpu_blocks_override=num_blocks), executor)
+        engine = EngineCore(
+            SchedulerConfig(max_model_len=96, max_num_batched_tokens=48, num_gpu_blocks_override=num_blocks), executor
+        )
         results.append(run_engine(engine, [batch], params))
         preemptions.append(engine.get_stats().num_preemptions)
         engine.shutdown()

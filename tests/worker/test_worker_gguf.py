@@ -17,7 +17,9 @@ def test_unpermute_restores_rotate_half_order():
 
     # llama.cpp stores, per head, rows (0, h, 1, h+1, ...) of the HF layout (h = half the head size)
     hf = np.arange(2 * 4 * 3).reshape(8, 3)  # 2 heads of size 4, 3 input features
-    stored = np.stack([hf[i] for head in (0, 4) for pair in zip(range(head, head + 2), range(head + 2, head + 4)) for i in pair])
+    stored = np.stack(
+        [hf[i] for head in (0, 4) for pair in zip(range(head, head + 2), range(head + 2, head + 4)) for i in pair]
+    )
     assert (_unpermute(stored, 2) == hf).all()
 
 

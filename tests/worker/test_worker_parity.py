@@ -57,8 +57,15 @@ DEVICE = os.environ.get("KVENGINE_TEST_DEVICE", "cpu")  # bench/gpu_check.sh run
 
 
 def make_worker(folder, **kw):
-    w = Worker(model=str(folder), device=DEVICE, dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 26,
-               check_block_tables=True, **kw)
+    w = Worker(
+        model=str(folder),
+        device=DEVICE,
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes=1 << 26,
+        check_block_tables=True,
+        **kw,
+    )
     cfg = kv_config(w, 256)
     w.init_kv_cache(cfg)
     return w, cfg

@@ -37,7 +37,13 @@ def _rank_main(rank: int, folder: str, port: int, chunk: int, results) -> None:
         report = worker.report_kv()
         cfg = kv_config(worker, 256)
         worker.init_kv_cache(cfg)
-        results.put((rank, report.kv_cache_specs["model.layers.0.self_attn"].num_kv_heads, Driver(worker, cfg, chunk).run(RAGGED, MAX_NEW)))
+        results.put(
+            (
+                rank,
+                report.kv_cache_specs["model.layers.0.self_attn"].num_kv_heads,
+                Driver(worker, cfg, chunk).run(RAGGED, MAX_NEW),
+            )
+        )
     finally:
         worker.shutdown()
 

@@ -24,7 +24,9 @@ class DecoderLayer:
         )
         self.o_proj = RowParallelLinear(src, f"{attn}.o_proj", q_out, tp, **to)
         mlp, inter = f"{p}.mlp", cfg.intermediate_size
-        self.gate_up = ColumnParallelLinear(src, [f"{mlp}.gate_proj", f"{mlp}.up_proj"], [inter, inter], tp, False, **to)
+        self.gate_up = ColumnParallelLinear(
+            src, [f"{mlp}.gate_proj", f"{mlp}.up_proj"], [inter, inter], tp, False, **to
+        )
         self.down = RowParallelLinear(src, f"{mlp}.down_proj", inter, tp, **to)
         self.input_norm = RMSNorm(src.read(f"{p}.input_layernorm.weight").to(**to), cfg.rms_norm_eps)
         self.post_norm = RMSNorm(src.read(f"{p}.post_attention_layernorm.weight").to(**to), cfg.rms_norm_eps)

@@ -37,9 +37,5 @@ class WeightSource:
         return part[tuple(index)]
 
 
-def folder_has_weights(folder: str | Path) -> bool:
-    return any(Path(folder).glob("*.safetensors"))
-
-
 def read_config(folder: str | Path) -> dict:
     return json.loads((Path(folder) / "config.json").read_text())
