@@ -6,7 +6,7 @@ import pytest
 
 from tests.worker.harness import Driver, kv_config
 from worker.model.gguf_loader import _unpermute
-from worker.tokenizer import load_tokenizer
+from worker.model.tokenizer import load_tokenizer
 from worker.worker import Worker
 
 pytest.importorskip("gguf")
@@ -35,5 +35,5 @@ def test_smollm2_gguf_completes_the_capital_of_france():
     assert report.kv_cache_specs["model.layers.29.self_attn"].num_kv_heads == 3
     cfg = kv_config(w, 32)
     w.init_kv_cache(cfg)
-    out = Driver(w, cfg).run([tok.encode("The capital of France is").ids], 4)[0]
+    out = Driver(w, cfg).run([tok.encode("The capital of France is")], 4)[0]
     assert "Paris" in tok.decode(out)

@@ -3,6 +3,7 @@
 Kept apart from the model runner: the engine core and workers only ever see token ids.
 """
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -12,14 +13,27 @@ from worker.model.gguf_meta import field, open_gguf
 _GGUF_CONTROL = 3  # llama.cpp token type of special tokens such as <|im_start|>
 
 
-def load_tokenizer(model: str | Path) -> Tokenizer:
+@dataclass
+class TextTokenizer:
+    """Text <-> token ids; special tokens are dropped when decoding."""
+
+    tokenizer: Tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+
+def load_tokenizer(model: str | Path) -> TextTokenizer:
     path = Path(model)
     if path.suffix == ".gguf":
-        return _gguf_tokenizer(path)
+        return TextTokenizer(_gguf_tokenizer(path))
     file = path / "tokenizer.json"
     if not file.is_file():
         raise FileNotFoundError(f"{model}: no tokenizer.json (the built-in tiny model has no tokenizer)")
-    return Tokenizer.from_file(str(file))
+    return TextTokenizer(Tokenizer.from_file(str(file)))
 
 
 def _gguf_tokenizer(path: Path) -> Tokenizer:
