@@ -7,7 +7,7 @@ import torch
 
 from protocol import KVCacheConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput
 from worker.attention import DECODE_CHUNK_BYTES, GatherBuffer, StepRequests, build_metadata
-from worker.block_table import BlockTables
+from worker.block_table import BlockTableMismatch, BlockTables
 from worker.model.llama import LlamaModel
 from worker.sampler import sample
 
@@ -66,11 +66,17 @@ class ModelRunner:
         if not batch:
             return ModelRunnerOutput(step=so.step, req_ids=[], sampled_token_ids=[])
         self._null_out_of_window(batch)
-        if so.block_table_digests is not None:
-            for req_id, _ in batch:
-                self.tables.verify(req_id, so.block_table_digests[req_id])
+        if so.block_table_digests is not None or self.check_block_tables:
+            self._verify_tables(so, batch)
         sampled = self._run(batch, so.num_scheduled_tokens)
         return ModelRunnerOutput(step=so.step, req_ids=[r for r, _ in batch], sampled_token_ids=sampled)
+
+    def _verify_tables(self, so: SchedulerOutput, batch) -> None:
+        digests = so.block_table_digests or {}
+        for req_id, _ in batch:
+            if req_id not in digests:
+                raise BlockTableMismatch(f"step {so.step}: block table check is on but {req_id!r} came without a digest")
+            self.tables.verify(req_id, digests[req_id])
 
     def _update_state(self, so: SchedulerOutput) -> list[tuple[str, int]]:
         """Register new requests, append new blocks; the batch as (req_id, num_computed_tokens)."""

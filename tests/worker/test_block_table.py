@@ -87,3 +87,10 @@ def test_worker_fails_loudly_on_a_digest_mismatch():
     )
     with pytest.raises(BlockTableMismatch):
         w.execute_model(bad)
+
+
+def test_check_mode_refuses_a_step_without_digests():
+    w = Worker(max_model_len=64, kv_cache_memory_bytes=1 << 24, check_block_tables=True)
+    w.init_kv_cache(kv_config(w, 16))
+    with pytest.raises(BlockTableMismatch, match="without a digest"):
+        w.execute_model(SchedulerOutput(0, [_new("a", [[1, 2]])], CachedRequestData(), {"a": 20}, 20))
