@@ -50,3 +50,13 @@ def test_ranks_with_different_budgets_the_smaller_wins():
     reports = [Worker(kv_cache_memory_bytes=b, max_model_len=64).report_kv() for b in (40 << 20, 10 << 20)]
     cfg = get_kv_cache_config(reports[0].kv_cache_specs, [r.available_kv_bytes for r in reports], 64, 64)
     assert cfg.num_blocks == (10 << 20) // 65536
+
+
+def test_profile_forward_runs_on_a_scratch_cache(tmp_path):
+    """The CUDA profile's forward (max_num_batched_tokens tokens, requests of max_model_len) on CPU, hybrid model."""
+    from worker.model.tiny import write_model
+
+    folder = write_model(tmp_path, "Qwen2ForCausalLM", use_sliding_window=True, sliding_window=24, max_window_layers=2)
+    w = Worker(model=str(folder), max_model_len=96, max_num_batched_tokens=200, kv_cache_memory_bytes=1 << 24)
+    w.profile_run()  # 96 + 96 + 8 tokens
+    assert w.runner.requests == {}
