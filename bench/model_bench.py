@@ -160,14 +160,17 @@ def bench_prefix(name: str, folder, device, repeats: int = 3) -> list[list]:
 # ---- paged attention vs SDPA on contiguous K/V ---------------------------------------------------
 
 
-def bench_attention(device, heads=16, kv_heads=4, head_dim=64, seqs=64, ctx=1024, block_size=16, iters=10):
-    """One decode step of one layer: 64 sequences with 1,024 tokens each (blocks scattered) vs SDPA on
-    the same K/V stored contiguously per sequence."""
+def bench_attention(
+    device, heads=16, kv_heads=4, head_dim=64, scattered=True, seqs=64, ctx=1024, block_size=16, iters=10
+):
+    """One decode step of one layer: 64 sequences with 1,024 tokens each vs SDPA on the same K/V stored
+    contiguously per sequence. Blocks scattered at random, or consecutive ids (a fresh pool)."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     g = torch.Generator().manual_seed(0)
     nblk = seqs * ctx // block_size
     cache = torch.randn(2, kv_heads, nblk + 1, block_size, head_dim, generator=g).to(device, dtype)
-    table = (torch.randperm(nblk, generator=g) + 1).view(seqs, -1).to(torch.int32).to(device)
+    ids = torch.randperm(nblk, generator=g) if scattered else torch.arange(nblk)
+    table = (ids + 1).view(seqs, -1).to(torch.int32).to(device)
     q = torch.randn(seqs, heads, head_dim, generator=g).to(device, dtype)
     k_new = torch.randn(seqs, kv_heads, head_dim, generator=g).to(device, dtype)
     v_new = torch.randn_like(k_new)
@@ -211,7 +214,17 @@ def bench_attention(device, heads=16, kv_heads=4, head_dim=64, seqs=64, ctx=1024
         diff = (paged().view(seqs, heads, head_dim) - dense().squeeze(2)).abs().max().item()
         p, d = timed(paged), timed(dense)
     shape = f"{seqs} x {ctx}, {heads}/{kv_heads} heads x {head_dim}"
-    return [[shape, torch.get_num_threads(), f"{p * 1e3:.2f}", f"{d * 1e3:.2f}", f"{p / d:.2f}x", f"{diff:.1e}"]]
+    return [
+        [
+            shape,
+            "scattered" if scattered else "consecutive",
+            torch.get_num_threads(),
+            f"{p * 1e3:.2f}",
+            f"{d * 1e3:.2f}",
+            f"{p / d:.2f}x",
+            f"{diff:.1e}",
+        ]
+    ]
 
 
 def main() -> None:
@@ -227,10 +240,15 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     parts = args.only or ["attention", "prefix", "throughput"]
     if "attention" in parts:
-        rows = bench_attention(args.device) + bench_attention(args.device, heads=8, kv_heads=4, head_dim=32)
+        rows = [
+            row
+            for shape in (dict(), dict(heads=8, kv_heads=4, head_dim=32))
+            for scattered in (True, False)
+            for row in bench_attention(args.device, scattered=scattered, **shape)
+        ]
         table(
             "paged attention vs SDPA on contiguous K/V (one layer, one decode step, best of 10)",
-            ["shape", "threads", "paged ms", "SDPA ms", "ratio", "max |diff|"],
+            ["shape", "blocks", "threads", "paged ms", "SDPA ms", "ratio", "max |diff|"],
             rows,
         )
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,7 +7,8 @@ reads fastest (measured here: token-major `[tokens, kv_heads, head_size]` made S
 A prefill chunk, or a decode token with a long context, gathers exactly the keys it can see into a
 preallocated buffer (no mask for a decode). Decode tokens with short contexts are batched, padded
 and masked, in runs of up to DECODE_CHUNK_BYTES of gathered K/V: one SDPA call per request costs
-~0.1 ms of overhead, which dominates when contexts are short.
+~0.1 ms of overhead, which dominates when contexts are short. A request whose blocks are consecutive
+ids (common: a fresh pool hands them out in order) is read through a view of the cache, no copy.
 """
 
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ class Span:
     block_ids: torch.Tensor  # int64, per request the blocks from its first visible key to its last token
     num_reqs: int
     key_offset: int = 0  # one request: first visible key within the first gathered block
+    first_block: int | None = None  # one request whose blocks are consecutive ids: read a view, no gather
     num_keys: int = 0
     mask: torch.Tensor | None = None  # True = attend; [queries, keys], or [reqs, 1, 1, keys] for a run
     causal: bool = False  # plain causal mask (queries and keys start together)
@@ -65,26 +67,42 @@ def build_metadata(
     num_blocks = torch.div(key_end - 1, block_size, rounding_mode="floor") - first_block + 1
     cols = first_block.unsqueeze(1) + torch.arange(int(num_blocks.max()), device=table.device)
     block_ids = table[reqs.rows.unsqueeze(1), cols.clamp(max=table.shape[1] - 1)].long()
+    consecutive = _consecutive(block_ids, num_blocks).tolist()
     per_req = list(zip(*(t.tolist() for t in (key_start, key_end, first_block, num_blocks, nc, nq, reqs.query_start))))
     spans, i = [], 0
     budget = DECODE_CHUNK_BYTES // (block_size * kv_bytes_per_token)  # blocks per decode run
     while i < len(per_req):
         k0, k1, b0, nb, c, q, s = per_req[i]
-        run = 1
-        while q == 1 and i + run < len(per_req) and per_req[i + run][5] == 1:
-            if (run + 1) * max(r[3] for r in per_req[i : i + run + 1]) > budget:
-                break
-            run += 1
+        run = _decode_run_length(per_req, consecutive, i, budget)
         if run > 1:
             spans.append(_decode_run(block_ids[i : i + run], per_req[i : i + run], key_start, key_end, block_size, i))
         else:
             spans.append(_single(block_ids[i, :nb], k0, k1, b0, c, q, s, window, block_size))
+            if consecutive[i]:
+                spans[-1].first_block = int(block_ids[i, 0])
         i += run
     return AttentionMetadata(slot_mapping, spans)
 
 
+def _decode_run_length(per_req: list[tuple], consecutive: list[bool], i: int, budget: int) -> int:
+    """How many decode requests from i on to batch: scattered ones only, padded blocks within budget."""
+    run = 0
+    while i + run < len(per_req) and per_req[i + run][5] == 1 and not consecutive[i + run]:
+        if (run + 1) * max(r[3] for r in per_req[i : i + run + 1]) > budget:
+            break
+        run += 1
+    return max(run, 1)
+
+
+def _consecutive(block_ids: torch.Tensor, num_blocks: torch.Tensor) -> torch.Tensor:
+    """Per request: are its blocks consecutive ids (as a fresh pool hands them out)?"""
+    steps = block_ids[:, 1:] - block_ids[:, :-1] == 1
+    inside = torch.arange(steps.shape[1], device=steps.device) < (num_blocks - 1).unsqueeze(1)
+    return (steps | ~inside).all(dim=1)
+
+
 def _single(block_ids, k0, k1, b0, num_computed, num_queries, q_start, window, block_size) -> Span:
-    span = Span(q_start, q_start + num_queries, block_ids, 1, k0 - b0 * block_size, k1 - k0)
+    span = Span(q_start, q_start + num_queries, block_ids, 1, key_offset=k0 - b0 * block_size, num_keys=k1 - k0)
     if num_queries > 1 and window is None and num_computed == 0:
         span.causal = True
     elif num_queries > 1:
@@ -149,7 +167,12 @@ def paged_attention(
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     for span in meta.spans:
-        kg, vg = buffer.gather(cache, span.block_ids)
+        if span.first_block is None:
+            kg, vg = buffer.gather(cache, span.block_ids)
+        else:
+            blocks = slice(span.first_block, span.first_block + span.block_ids.numel())
+            kg = cache[0][:, blocks].view(cache.shape[1], -1, cache.shape[4])
+            vg = cache[1][:, blocks].view(cache.shape[1], -1, cache.shape[4])
         if span.num_reqs > 1:  # a decode run: [reqs, kv_heads, keys, head_size], queries [reqs, heads, 1, hd]
             kg = kg.view(kg.shape[0], span.num_reqs, -1, kg.shape[2]).transpose(0, 1)
             vg = vg.view(vg.shape[0], span.num_reqs, -1, vg.shape[2]).transpose(0, 1)

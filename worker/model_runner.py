@@ -75,7 +75,9 @@ class ModelRunner:
         digests = so.block_table_digests or {}
         for req_id, _ in batch:
             if req_id not in digests:
-                raise BlockTableMismatch(f"step {so.step}: block table check is on but {req_id!r} came without a digest")
+                raise BlockTableMismatch(
+                    f"step {so.step}: block table check is on but {req_id!r} came without a digest"
+                )
             self.tables.verify(req_id, digests[req_id])
 
     def _update_state(self, so: SchedulerOutput) -> list[tuple[str, int]]:
