@@ -93,7 +93,7 @@ class Scheduler:
             return "the prompt is empty"
         if num_prompt > self.config.max_model_len:
             return f"the prompt has {num_prompt} tokens, more than max_model_len={self.config.max_model_len}"
-        if self.vocab_size is not None and not all(0 <= t < self.vocab_size for t in req.prompt_token_ids):
+        if self.vocab_size is not None and not (min(req.prompt_token_ids) >= 0 and max(req.prompt_token_ids) < self.vocab_size):
             return f"the prompt has token ids outside the vocabulary [0, {self.vocab_size})"
         full_len = min(num_prompt + req.sampling_params.max_tokens, self.config.max_model_len)
         needed = blocks_per_request(self.kv_cache_config.kv_cache_groups, full_len, self.config.max_num_batched_tokens)

@@ -4,6 +4,7 @@ Clients talk to one ROUTER socket; each request belongs to the client that sent 
 outputs go back there, and a client that disconnects has its requests aborted.
 """
 
+import gc
 import logging
 import os
 import shutil
@@ -129,6 +130,7 @@ class EngineServer:
             except (KVCacheSizingError, ValueError) as e:
                 logger.error("Start-up failed: %s", e)
                 return 1
+            gc.freeze()  # the block pool's objects live as long as the server: keep them out of GC passes
             executor.serve_while_waiting(self.sock, self._read_clients)
             executor.serve_while_waiting(self.monitor, self._read_clients)
             try:

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.coordinator import get_kv_cache_coordinator
+from engine_core.kv_cache.single_type_manager import FullAttentionManager
 from engine_core.request import Request, RequestStatus
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.kv_events import KVCacheEvent
@@ -55,6 +56,8 @@ class KVCacheManager:
         groups = kv_cache_config.kv_cache_groups
         self.hash_block_size = groups[0].kv_cache_spec.block_size if groups else 0
         self._no_blocks = tuple([] for _ in range(self.num_kv_cache_groups))
+        managers = self.coordinator.single_type_managers
+        self._full_only = managers[0] if len(managers) == 1 and isinstance(managers[0], FullAttentionManager) else None
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The request's longest prefix-cache hit, never its whole prompt: the last token is always computed."""
@@ -81,6 +84,8 @@ class KVCacheManager:
         """
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError(f"allocate_slots for {request.request_id} with no new and no computed tokens")
+        if new_computed_blocks is None and self._fits_in_held_blocks(request, num_new_tokens, num_lookahead_tokens):
+            return KVCacheBlocks(self._no_blocks)
         if self.enable_caching:
             self._check_block_hashes(request)
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else self._no_blocks
@@ -118,6 +123,19 @@ class KVCacheManager:
                 stats.queries += request.num_tokens
                 stats.hits += num_new_computed_tokens
         return KVCacheBlocks(new_blocks)
+
+    def _fits_in_held_blocks(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int) -> bool:
+        """Most decode steps: one full-attention group, the new slots lie in blocks already held and no
+        block becomes full, so the general path would change nothing."""
+        manager = self._full_only
+        blocks = manager.req_to_blocks.get(request.request_id) if manager is not None else None
+        if blocks is None:
+            return False
+        end = request.num_computed_tokens + num_new_tokens
+        if end + num_lookahead_tokens > len(blocks) * manager.block_size:
+            return False
+        num_full = min(end, request.num_tokens) // manager.block_size
+        return not self.enable_caching or num_full <= manager.num_cached_block.get(request.request_id, 0)
 
     def _check_block_hashes(self, request: Request) -> None:
         """Hashes made at another block size would register blocks under keys of other token spans
