@@ -1,4 +1,4 @@
-"""The `kvengine` command: serve, generate, bench, make-model."""
+"""The `kvengine` command: serve, generate, bench, events, simulate, make-model."""
 
 import argparse
 import logging
@@ -30,11 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     from launch.bench import add_bench_parser
     from launch.events import add_events_parser
     from launch.generate import add_generate_parser
+    from launch.make_model import add_make_model_parser
+    from launch.simulate import add_simulate_parser
 
     add_generate_parser(sub)
     add_bench_parser(sub)
-    __import__("launch.simulate").simulate.add_simulate_parser(sub)
+    add_simulate_parser(sub)
     add_events_parser(sub)
+    add_make_model_parser(sub)
 
     args = parser.parse_args(argv)
     return args.func(args)

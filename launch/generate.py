@@ -76,13 +76,16 @@ async def _stream(client: AsyncEngineClient, index: int, prompt: list[int], para
                   tag: bool) -> str | None:
     prefix = f"[{index}] " if tag else ""
     tokens: list[int] = []
+    printed = ""
     async for out in client.generate(prompt, params):
         tokens += out.new_token_ids
         if tokenizer is None:
             text = " ".join(map(str, out.new_token_ids))
             print(f"{prefix}{text}" if tag else text, end="\n" if tag else " ", flush=True)
-        elif not tag:
-            print(tokenizer.decode(out.new_token_ids), end="", flush=True)
+        elif not tag:  # decode the whole output each time: a token alone may be half a character
+            text = tokenizer.decode(tokens)
+            print(text[len(printed):], end="", flush=True)
+            printed = text
         if out.finished:
             if not tag:
                 print()
