@@ -104,8 +104,15 @@ class AsyncEngineClient:
                 yield item
         finally:
             del self._queues[request_id]
-            if not finished and self._dead is None:
-                self._sock.send(self._request_codec.encode(EngineCoreAbort([request_id])), zmq.NOBLOCK)
+            if not finished:
+                self._abort_nowait(request_id)
+
+    def _abort_nowait(self, request_id: str) -> None:
+        """Abort from a finally block (a cancelled or abandoned stream): never blocks, never raises."""
+        if self._dead is not None or self._sock.closed:
+            return
+        sent = self._sock.send(self._request_codec.encode(EngineCoreAbort([request_id])), zmq.NOBLOCK)
+        sent.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def abort(self, request_id: str) -> None:
         await self._sock.send(self._request_codec.encode(EngineCoreAbort([request_id])))

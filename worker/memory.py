@@ -53,7 +53,7 @@ def bytes_per_block(specs: list) -> int:
 def check_fits_one_block(budget: KVBudget, bytes_per_block: int) -> None:
     if budget.available_bytes < bytes_per_block:
         raise MemoryError(
-            f"no memory left for the KV cache: one block needs {bytes_per_block} bytes but the budget is "
+            f"No available memory for the cache blocks: one block needs {bytes_per_block} bytes but the budget is "
             f"{budget.available_bytes} bytes ({budget.detail}); lower the model size or max_num_batched_tokens, "
             f"or raise gpu_memory_utilization / kv_cache_memory_bytes"
         )
