@@ -99,7 +99,7 @@ def echo_peer(address: str, rank: int, reply_bytes: int) -> None:
     sock.connect(address)
     sock.send(b"hello")
     reply = b"x" * reply_bytes
-    while (msg := sock.recv()) != b"stop":
+    while sock.recv() != b"stop":
         if rank == 0:
             sock.send(reply)
     sock.close()

@@ -1,7 +1,6 @@
 """`kvengine events`: subscribe to a server's KV cache events and print them."""
 
 import argparse
-import sys
 
 import msgspec
 import zmq

@@ -94,7 +94,7 @@ class MultiprocExecutor:
             if isinstance(msg, wanted) and rank in ranks:
                 got[rank] = msg
             else:
-                logger.error("Dropped an unexpected %s from %r", type(msg).__name__, identity)
+                logger.error("Dropped an unexpected %s from %r", type(msg).__name__, frames[0])
         return got
 
     def _send_all(self, msg: msgspec.Struct) -> None:

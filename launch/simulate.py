@@ -19,7 +19,6 @@ from engine_core.simulate import (
     CostModel,
     SimConfig,
     SimResult,
-    TraceError,
     count_prefix_hits,
     log_spaced,
     monotonic_violations,

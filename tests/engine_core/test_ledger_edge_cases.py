@@ -12,7 +12,6 @@ vLLM entry -> kvengine behaviour tested here:
 8. prefix-cache retention interval validation: not a kvengine feature.
 """
 
-import inspect
 import logging
 
 import pytest
@@ -21,11 +20,9 @@ from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.coordinator import (
     HybridKVCacheCoordinator,
-    KVCacheCoordinator,
     UnitaryKVCacheCoordinator,
     get_kv_cache_coordinator,
 )
-from engine_core.kv_cache.manager import KVCacheManager
 from test_ledger_support import (
     admit,
     check_invariants,

@@ -19,7 +19,7 @@ from engine_core.kv_cache.coordinator import (
     get_kv_cache_coordinator,
 )
 from engine_core.kv_cache.free_queue import FreeKVCacheBlockQueue
-from engine_core.kv_cache.hashing import get_hash_fn, get_request_block_hasher, hash_block_tokens
+from engine_core.kv_cache.hashing import get_hash_fn, hash_block_tokens
 from engine_core.kv_cache.planning import (
     KVCacheSizingError,
     blocks_per_request,
