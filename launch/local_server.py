@@ -40,14 +40,7 @@ class LocalServer:
         return self
 
     async def wait_ready(self) -> None:
-        async with AsyncEngineClient(self.address) as client:
-            ready = asyncio.ensure_future(client.get_stats())
-            while not ready.done():
-                await asyncio.wait([ready], timeout=0.2)
-                if self.proc.poll() is not None:
-                    ready.cancel()
-                    raise ServerStartError(f"kvengine serve exited with code {self.proc.returncode} during start-up")
-            ready.result()
+        await wait_until_serving(self.address, self.proc)
 
     async def __aexit__(self, *exc: object) -> None:
         self.stop()
@@ -63,3 +56,15 @@ class LocalServer:
                 self.proc.wait()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
         return self.proc.returncode if self.proc else None
+
+
+async def wait_until_serving(address: str, proc: subprocess.Popen) -> None:
+    """Return once the server at address answers a stats request; raise if proc exits first."""
+    async with AsyncEngineClient(address) as client:
+        ready = asyncio.ensure_future(client.get_stats())
+        while not ready.done():
+            await asyncio.wait([ready], timeout=0.2)
+            if proc.poll() is not None:
+                ready.cancel()
+                raise ServerStartError(f"kvengine serve exited with code {proc.returncode} during start-up")
+        ready.result()

@@ -1,6 +1,5 @@
 """Fixtures that start a real `kvengine serve` subprocess and always stop it, also on failure."""
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.client import AsyncEngineClient
+from launch.local_server import ServerStartError, wait_until_serving
 
 
 def processes_in_group(pgid: int) -> list[int]:
@@ -43,13 +42,10 @@ class ServerProcess:
         return self.log_path.read_text()
 
     async def wait_ready(self) -> None:
-        async with AsyncEngineClient(self.address) as client:
-            ready = asyncio.ensure_future(client.get_stats())
-            while not ready.done():
-                await asyncio.wait([ready], timeout=0.2)
-                if self.proc.poll() is not None:
-                    ready.cancel()
-                    raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+        try:
+            await wait_until_serving(self.address, self.proc)
+        except ServerStartError as e:
+            raise RuntimeError(f"{e}:\n{self.output()}") from None
 
     def worker_pids(self) -> dict[int, int]:
         """rank -> pid of the server's worker processes."""
