@@ -40,7 +40,7 @@ def cmd_events(args: argparse.Namespace) -> int:
     seen = 0
     try:
         while args.count is None or seen < args.count:
-            for batch in subscriber.recv(timeout_ms=1000):
+            for batch in subscriber.recv(timeout_ms=1000)[: None if args.count is None else args.count - seen]:
                 print(msgspec.json.encode(batch).decode() if args.json else format_batch(batch), flush=True)
                 seen += 1
     except KeyboardInterrupt:

@@ -118,3 +118,33 @@ def test_plot_draws_the_four_panels(tmp_path):
     labels = plot_run(samples, str(tmp_path / "p.png"), "t")
     assert labels == [["KV cache usage"], ["held by running requests", "cached but free (evictable)"],
                       ["running", "waiting", "preemptions"], ["generation", "prompt"]]
+
+
+def test_kvengine_events_prints_the_servers_batches_including_missed_ones(start_server, tmp_path):
+    events, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
+    server = start_server("--max-model-len", "256", "--kv-cache-memory-bytes", "8MiB",
+                          "--kv-events-endpoint", events, "--kv-events-replay-endpoint", replay)
+    asyncio.run(server.wait_ready())
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+    async def run(batch):
+        async with AsyncEngineClient(server.address) as client:
+            for prompt in batch:  # one at a time: each stores its prompt's full blocks
+                async for _ in client.generate(prompt, params):
+                    pass
+
+    asyncio.run(run(prompts(3, seed=11, lo=40, hi=60)))  # before any subscriber: must come from the replay
+    sub = subprocess.Popen([sys.executable, "-m", "launch.cli", "events", events, "--replay-endpoint", replay,
+                            "--count", "5", "--json"], stdout=subprocess.PIPE, text=True)
+    try:
+        for _ in range(20):  # keep publishing until the late subscriber has joined and caught up
+            asyncio.run(run(prompts(1, seed=12 + _, lo=40, hi=60)))
+            if sub.poll() is not None:
+                break
+        out, _ = sub.communicate(timeout=60)
+    finally:
+        if sub.poll() is None:
+            sub.kill()
+    batches = [json.loads(line) for line in out.splitlines()]
+    assert [b[0] for b in batches] == [0, 1, 2, 3, 4]  # seq from 0: the missed ones were replayed
+    assert all(event[0] == "BlockStored" for b in batches for event in b[2])
