@@ -149,11 +149,12 @@ class Scheduler:
             blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
             while blocks is None:
                 victim = self._pick_victim()
-                if victim in scheduled_running:  # priority policy may pick one already scheduled
+                if self.running.index(victim) < i:  # priority policy may pick one already passed
+                    i -= 1
+                if victim in scheduled_running:
                     scheduled_running.remove(victim)
                     budget += num_scheduled_tokens.pop(victim.request_id)
                     del new_blocks[victim.request_id]
-                    i -= 1
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
