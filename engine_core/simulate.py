@@ -471,9 +471,6 @@ def replay(
     )
     core = EngineCore(sched_config, executor)
     scheduler = core.scheduler
-    # Synthetic token ids are in [0, VOCAB_SIZE) by construction; the scheduler's per-token range check
-    # (a Python-level all() over every prompt token) was 11% of a full-trace replay, so skip it here.
-    scheduler.vocab_size = None
     pool = scheduler.kv_cache_manager.block_pool
     waiting = scheduler.waiting
     denominator = num_blocks - 1
