@@ -7,9 +7,9 @@ from worker.executor import InProcExecutor
 
 
 def in_process_greedy(prompts: list[list[int]], params: SamplingParams, max_model_len: int = 512,
-                      kv_cache_memory_bytes: int = 8 << 20) -> list[list[int]]:
+                      kv_cache_memory_bytes: int = 8 << 20, model: str | None = None) -> list[list[int]]:
     config = SchedulerConfig(max_model_len=max_model_len, check_block_tables=True)
-    executor = InProcExecutor(max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
+    executor = InProcExecutor(model=model, max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
                               kv_cache_memory_bytes=kv_cache_memory_bytes, check_block_tables=True)
     core = EngineCore(config, executor)
     try:

@@ -49,6 +49,21 @@ def test_concurrent_streamed_requests_match_in_process_engine(start_server, tp):
     assert [tokens for tokens, _ in results] == in_process_greedy(batch, GREEDY)
 
 
+def test_sliding_window_model_served_with_two_ranks_matches_in_process_engine(start_server, tmp_path):
+    """A Qwen2 model whose last two layers slide: two KV cache groups, the hybrid coordinator, TP 2."""
+    from launch.cli import main
+    from tests.e2e.in_process import in_process_greedy
+
+    model = str(tmp_path / "qwen2-sliding")
+    assert main(["make-model", "--architecture", "qwen2", "--sliding-window", "24", model]) == 0
+    server = start_server("--model", model, "-tp", "2", *SMALL)
+    asyncio.run(server.wait_ready())
+    assert "in 2 group(s)" in server.output()
+    batch = prompts(8, seed=21, lo=30, hi=80)  # longer than the window
+    results = asyncio.run(generate_all(server.address, batch))
+    assert [tokens for tokens, _ in results] == in_process_greedy(batch, GREEDY, model=model)
+
+
 def test_abort_and_cancellation_free_every_block(start_server):
     server = start_server(*SMALL)
     asyncio.run(server.wait_ready())
