@@ -40,8 +40,11 @@ class WorkerFailedError(RuntimeError):
 
 class MultiprocExecutor:
     def __init__(self, ctx: zmq.Context, address: str, configs: list[WorkerConfig],
+                 check_stop: Callable[[], None] = lambda: None,
                  entry: tuple[str, ...] = (sys.executable, "-m", "launch.worker_main")) -> None:
-        """entry: the command that runs one worker; it gets the WorkerConfig as JSON."""
+        """check_stop: called every poll period while waiting (it may raise to give up);
+        entry: the command that runs one worker; it gets the WorkerConfig as JSON."""
+        self.check_stop = check_stop
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished rank raises
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -77,6 +80,7 @@ class MultiprocExecutor:
                     handler()
             if self.sock not in events:
                 self._check_alive()
+                self.check_stop()
                 continue
             frames = self.sock.recv_multipart()
             rank = self.rank_of.get(frames[0])

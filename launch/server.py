@@ -36,6 +36,11 @@ from protocol import (
 from protocol.codec import client_codec, outputs_codec
 
 logger = logging.getLogger("kvengine.serve")
+
+
+class Interrupted(Exception):
+    """SIGINT/SIGTERM arrived during start-up."""
+
 STATS_PERIOD = 0.25  # seconds between stats snapshots for metrics and the log line
 
 
@@ -95,6 +100,7 @@ class EngineServer:
         self.client_codec, self.outputs_codec = client_codec(), outputs_codec()
         self.metrics: EngineMetrics | None = None
         self.kv_events: KVEventPublisher | None = None
+        self.engine: EngineCore | None = None
 
     def _on_signal(self, signum: int, frame: object) -> None:
         logger.info("Received %s, shutting down", signal.Signals(signum).name)
@@ -104,62 +110,77 @@ class EngineServer:
         """Serve until SIGINT/SIGTERM. Returns the process exit code."""
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        tmpdir = tempfile.mkdtemp(prefix="kvengine-")
-        address = self.config.address or f"ipc://{tmpdir}/engine.sock"
-        ctx = zmq.Context()
-        executor = None
-        bound = False
+        self.tmpdir = tempfile.mkdtemp(prefix="kvengine-")
+        self.address = self.config.address or f"ipc://{self.tmpdir}/engine.sock"
+        self.ctx = zmq.Context()
+        self.executor: MultiprocExecutor | None = None
+        self.bound = False
         try:
-            self.sock = ctx.socket(zmq.ROUTER)
-            self.sock.setsockopt(zmq.LINGER, 1000)
-            # A disconnect event names the connection's file descriptor; messages carry theirs (SRCFD).
-            self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            self.poller = zmq.Poller()
-            self.poller.register(self.sock, zmq.POLLIN)
-            self.poller.register(self.monitor, zmq.POLLIN)
-            try:
-                self.sock.bind(address)
-                bound = True
-            except zmq.ZMQError as e:
-                logger.error("Cannot listen on %s: %s", address, e)
-                return 1
-            try:
-                configs = self.config.worker_configs(f"ipc://{tmpdir}/workers.sock", f"file://{tmpdir}/dist-init")
-                executor = MultiprocExecutor(ctx, configs[0].engine_address, configs)
-                self.engine = EngineCore(self.config.scheduler, executor)
-            except (KVCacheSizingError, ValueError) as e:
-                logger.error("Start-up failed: %s", e)
-                return 1
-            gc.freeze()  # the block pool's objects live as long as the server: keep them out of GC passes
-            executor.serve_while_waiting(self.sock, self._read_clients)
-            executor.serve_while_waiting(self.monitor, self._read_clients)
-            try:
-                self._start_observers(ctx)
-            except (OSError, zmq.ZMQError) as e:
-                logger.error("Start-up failed: cannot open the metrics or KV event endpoint: %s", e)
-                return 1
-            logger.info("kvengine ready: serving on %s (tensor parallel %d)", address, len(configs))
-            return self._loop()
+            return self._start() or self._loop()
+        except Interrupted:
+            logger.info("Start-up interrupted")
+            return 0
         except WorkerFailedError as e:
             logger.error("%s", str(e).splitlines()[0])
             self._fail_all(f"the engine stopped: {str(e).splitlines()[0]}")
             return 1
         finally:
-            if self.metrics is not None:
-                self.metrics.close()
-            if self.kv_events is not None:
-                self.kv_events.close()
-            if executor is not None:
-                executor.shutdown()
-            self.sock.disable_monitor()
-            self.monitor.close()
-            self.sock.close()
-            ctx.term()
-            if bound and address.startswith("ipc://"):
-                Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
-            shutil.rmtree(tmpdir, ignore_errors=True)
+            self._close()
 
-    def _start_observers(self, ctx: zmq.Context) -> None:
+    def _start(self) -> int | None:
+        """Sockets, observers, workers and the engine core; an exit code if start-up failed."""
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        # A disconnect event names the connection's file descriptor; messages carry theirs (SRCFD).
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        try:
+            self.sock.bind(self.address)
+            self.bound = True
+        except zmq.ZMQError as e:
+            logger.error("Start-up failed: cannot listen on %s: %s", self.address, e)
+            return 1
+        try:
+            self._start_observers()
+        except (OSError, zmq.ZMQError) as e:
+            logger.error("Start-up failed: cannot open the metrics or KV event endpoint: %s", e)
+            return 1
+        try:
+            configs = self.config.worker_configs(f"ipc://{self.tmpdir}/workers.sock", f"file://{self.tmpdir}/dist-init")
+            self.executor = MultiprocExecutor(self.ctx, configs[0].engine_address, configs, self._check_stop)
+            self.engine = EngineCore(self.config.scheduler, self.executor)
+        except (KVCacheSizingError, ValueError) as e:
+            logger.error("Start-up failed: %s", e)
+            return 1
+        gc.freeze()  # the block pool's objects live as long as the server: keep them out of GC passes
+        self.executor.serve_while_waiting(self.sock, self._read_clients)
+        self.executor.serve_while_waiting(self.monitor, self._read_clients)
+        logger.info("kvengine ready: serving on %s (tensor parallel %d)", self.address, len(configs))
+        return None
+
+    def _check_stop(self) -> None:
+        """Called while waiting for the workers: a signal during start-up must not wait for them."""
+        if self.stopping and self.engine is None:
+            raise Interrupted()
+
+    def _close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
+        if self.executor is not None:
+            self.executor.shutdown()
+        self.sock.disable_monitor()
+        self.monitor.close()
+        self.sock.close()
+        self.ctx.term()
+        if self.bound and self.address.startswith("ipc://"):
+            Path(self.address.removeprefix("ipc://")).unlink(missing_ok=True)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def _start_observers(self) -> None:
         """Metrics endpoint and KV event publisher, when asked for; errors here are start-up errors."""
         if self.config.metrics_port is not None:
             self.metrics = EngineMetrics(self.config.scheduler.block_size)
@@ -167,7 +188,7 @@ class EngineServer:
             logger.info("Metrics on http://%s:%d/metrics", self.config.metrics_host, self.config.metrics_port)
         if self.config.kv_events_endpoint is not None:
             self.kv_events = KVEventPublisher(
-                ctx, self.config.kv_events_endpoint, self.config.kv_events_replay_endpoint
+                self.ctx, self.config.kv_events_endpoint, self.config.kv_events_replay_endpoint
             )
             logger.info("KV events on %s (replay: %s)", self.config.kv_events_endpoint,
                         self.config.kv_events_replay_endpoint or "off")

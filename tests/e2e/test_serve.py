@@ -5,6 +5,7 @@ import os
 import random
 import signal
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,19 @@ def test_sigterm_stops_every_process_and_leaves_no_files(start_server):
     assert not [p for p in Path("/dev/shm").glob("*") if str(server.proc.pid) in p.name]
 
 
+def test_sigterm_during_start_up_does_not_wait_for_the_workers(start_server):
+    server = start_server("-tp", "2", *SMALL)
+    for _ in range(600):  # the workers exist but are still loading
+        if len(server.worker_pids()) == 2 or server.proc.poll() is not None:
+            break
+        time.sleep(0.01)
+    assert "kvengine ready" not in server.output()
+    server.proc.send_signal(signal.SIGTERM)
+    assert wait_exit(server.proc) == 0
+    assert processes_in_group(server.proc.pid) == []
+    assert "Start-up interrupted" in server.output()
+
+
 def test_killed_worker_fails_in_flight_requests_and_the_server_exits(start_server):
     server = start_server("-tp", "2", *SMALL)
     asyncio.run(server.wait_ready())
@@ -201,4 +215,4 @@ def test_port_in_use_is_a_clear_start_up_error(start_server):
         port = taken.getsockname()[1]
         server = start_server("--port", str(port))
         assert wait_exit(server.proc) == 1
-    assert "Cannot listen on" in server.output() and "Traceback" not in server.output()
+    assert f"cannot listen on tcp://127.0.0.1:{port}" in server.output() and "Traceback" not in server.output()
