@@ -83,7 +83,10 @@ class NewRequestData(msgspec.Struct, **_struct):
 
 
 class CachedRequestData(msgspec.Struct, **_struct):
-    """Running requests, column-wise: only newly appended block ids travel."""
+    """Running requests, column-wise: only newly appended block ids travel.
+
+    Blocks that left a sliding window are not sent either: both sides replace the blocks before
+    `max(0, num_computed_tokens - window + 1) // block_size` by the null block 0."""
 
     req_ids: list[str] = []
     new_block_ids: list[list[list[int]] | None] = []  # per request: per group, or None
