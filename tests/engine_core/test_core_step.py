@@ -169,3 +169,13 @@ def test_sliding_window_block_tables_match_the_ledger(prefix_caching):
     assert core.get_stats().num_preemptions > 0
     assert ex.block_tables == {}
     assert_pool_empty(core)
+
+
+def test_the_engine_core_never_imports_torch():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, engine_core.core, engine_core.scheduler, engine_core.simulate, engine_core.reference_executor; "
+            "sys.exit('torch' in sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
