@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from launch.args import add_engine_args, engine_flags_from_args
-from launch.client import AsyncEngineClient, install_uvloop
-from launch.local_server import LocalServer
+from launch.client import AsyncEngineClient, EngineDeadError, install_uvloop
+from launch.generate import CONNECT_TIMEOUT_S
+from launch.local_server import LocalServer, ServerStartError
 from protocol import SamplingParams, SchedulerStats
 
 
@@ -174,6 +175,7 @@ async def _bench(args: argparse.Namespace) -> tuple[dict, list[tuple[float, Sche
     samples: list[tuple[float, SchedulerStats]] = []
     async with server as local:
         async with AsyncEngineClient(args.connect or local.address) as client:
+            await client.wait_ready(CONNECT_TIMEOUT_S)
             before = await client.get_stats()
             sampler = asyncio.create_task(sample_stats(client, args.stats_period, samples)) if args.plot else None
             results, elapsed = await drive(client, args)
@@ -190,7 +192,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         check_matplotlib()
     install_uvloop()
-    summary, samples = asyncio.run(_bench(args))
+    try:
+        summary, samples = asyncio.run(_bench(args))
+    except (EngineDeadError, ServerStartError) as e:
+        print(f"kvengine bench: {e}", file=sys.stderr)
+        return 1
     if args.plot:
         from launch.plot import plot_run
 

@@ -125,6 +125,13 @@ class AsyncEngineClient:
         await self._sock.send(self._request_codec.encode(EngineCoreGetStats()))
         return await waiter
 
+    async def wait_ready(self, timeout: float) -> None:
+        """Raise EngineDeadError if no server answers at the address within timeout seconds."""
+        try:
+            await asyncio.wait_for(self.get_stats(), timeout)
+        except asyncio.TimeoutError:
+            raise EngineDeadError(f"no kvengine server answers at {self.address}") from None
+
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)

@@ -7,8 +7,8 @@ import re
 import sys
 
 from launch.args import add_engine_args, engine_flags_from_args
-from launch.client import AsyncEngineClient, install_uvloop
-from launch.local_server import LocalServer
+from launch.client import AsyncEngineClient, EngineDeadError, install_uvloop
+from launch.local_server import LocalServer, ServerStartError
 from protocol import SamplingParams
 
 
@@ -17,7 +17,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
                        description="Without --connect, starts its own server with the engine flags below.")
     p.add_argument("--connect", metavar="ADDRESS", default=None, help="address of a running `kvengine serve`")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt-token-ids", action="append", metavar="IDS",
+    src.add_argument("--prompt-token-ids", action="append", metavar="IDS", type=parse_token_ids,
                      help="a prompt as token ids, e.g. '1,2,3' (repeat for several prompts)")
     src.add_argument("--prompts-file", metavar="FILE",
                      help="one prompt per line, token ids separated by spaces or commas")
@@ -34,10 +34,16 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def parse_token_ids(text: str) -> list[int]:
-    ids = [int(t) for t in re.split(r"[\s,]+", text.strip()) if t]
+    try:
+        ids = [int(t) for t in re.split(r"[\s,]+", text.strip()) if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of token ids: {text!r} (use e.g. 1,2,3)") from None
     if not ids:
-        raise ValueError(f"no token ids in {text!r}")
+        raise argparse.ArgumentTypeError(f"no token ids in {text!r}")
     return ids
+
+
+CONNECT_TIMEOUT_S = 10.0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -51,14 +57,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(args.model)
         prompts = [tokenizer.encode(text) for text in args.prompt]
     elif args.prompts_file:
-        with open(args.prompts_file) as f:
-            prompts = [parse_token_ids(line) for line in f if line.strip()]
+        try:
+            with open(args.prompts_file) as f:
+                prompts = [parse_token_ids(line) for line in f if line.strip()]
+        except (OSError, argparse.ArgumentTypeError) as e:
+            print(f"kvengine generate: {args.prompts_file}: {e}", file=sys.stderr)
+            return 2
     else:
-        prompts = [parse_token_ids(text) for text in args.prompt_token_ids]
+        prompts = args.prompt_token_ids
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
     install_uvloop()
-    return asyncio.run(_generate(args, prompts, params, tokenizer))
+    try:
+        return asyncio.run(_generate(args, prompts, params, tokenizer))
+    except (EngineDeadError, ServerStartError) as e:
+        print(f"kvengine generate: {e}", file=sys.stderr)
+        return 1
 
 
 async def _generate(args: argparse.Namespace, prompts: list[list[int]], params: SamplingParams, tokenizer) -> int:
@@ -66,6 +80,7 @@ async def _generate(args: argparse.Namespace, prompts: list[list[int]], params: 
     async with server as local:
         address = args.connect or local.address
         async with AsyncEngineClient(address) as client:
+            await client.wait_ready(CONNECT_TIMEOUT_S)
             results = await asyncio.gather(*(
                 _stream(client, i, prompt, params, tokenizer, len(prompts) > 1) for i, prompt in enumerate(prompts)
             ))
