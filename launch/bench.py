@@ -18,7 +18,6 @@ from tqdm import tqdm
 
 from launch.args import add_engine_args, engine_flags_from_args
 from launch.client import AsyncEngineClient, EngineDeadError, install_uvloop
-from launch.generate import CONNECT_TIMEOUT_S
 from launch.local_server import LocalServer, ServerStartError
 from protocol import SamplingParams, SchedulerStats
 
@@ -175,7 +174,7 @@ async def _bench(args: argparse.Namespace) -> tuple[dict, list[tuple[float, Sche
     samples: list[tuple[float, SchedulerStats]] = []
     async with server as local:
         async with AsyncEngineClient(args.connect or local.address) as client:
-            await client.wait_ready(CONNECT_TIMEOUT_S)
+            await client.wait_ready()
             before = await client.get_stats()
             sampler = asyncio.create_task(sample_stats(client, args.stats_period, samples)) if args.plot else None
             results, elapsed = await drive(client, args)

@@ -125,7 +125,7 @@ class AsyncEngineClient:
         await self._sock.send(self._request_codec.encode(EngineCoreGetStats()))
         return await waiter
 
-    async def wait_ready(self, timeout: float) -> None:
+    async def wait_ready(self, timeout: float = 10.0) -> None:
         """Raise EngineDeadError if no server answers at the address within timeout seconds."""
         try:
             await asyncio.wait_for(self.get_stats(), timeout)

@@ -43,9 +43,6 @@ def parse_token_ids(text: str) -> list[int]:
     return ids
 
 
-CONNECT_TIMEOUT_S = 10.0
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     tokenizer = None
     if args.prompt:
@@ -80,7 +77,7 @@ async def _generate(args: argparse.Namespace, prompts: list[list[int]], params: 
     async with server as local:
         address = args.connect or local.address
         async with AsyncEngineClient(address) as client:
-            await client.wait_ready(CONNECT_TIMEOUT_S)
+            await client.wait_ready()
             results = await asyncio.gather(*(
                 _stream(client, i, prompt, params, tokenizer, len(prompts) > 1) for i, prompt in enumerate(prompts)
             ))
