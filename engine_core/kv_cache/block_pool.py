@@ -9,6 +9,7 @@ from engine_core.kv_cache.block import (
     BlockHashWithGroupId,
     KVCacheBlock,
     get_block_hash,
+    get_group_id,
     make_block_hash_with_group_id,
 )
 from engine_core.kv_cache.free_queue import FreeKVCacheBlockQueue
@@ -136,7 +137,7 @@ class BlockPool:
         self.num_cached_blocks -= 1
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(
-                BlockRemoved(block_hashes=[get_block_hash(key)], group_id=int.from_bytes(key[-4:], "big"))
+                BlockRemoved(block_hashes=[get_block_hash(key)], group_id=get_group_id(key))
             )
 
     def touch(self, blocks: Iterable[list[KVCacheBlock]]) -> None:

@@ -1,8 +1,6 @@
 """Model configuration read from a Hugging Face config.json (Llama and Qwen2 families)."""
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
@@ -52,10 +50,6 @@ class ModelConfig:
             layer_sliding_windows=_sliding_windows(raw, arch),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         )
-
-    @classmethod
-    def from_folder(cls, folder: str | Path) -> "ModelConfig":
-        return cls.from_dict(json.loads((Path(folder) / "config.json").read_text()))
 
     def check_tp(self, tp_size: int) -> None:
         """Refuse a tensor-parallel size that does not divide the head counts."""
