@@ -293,24 +293,27 @@ class Scheduler:
         return token_ids, None
 
     def make_stats(self) -> SchedulerStats:
+        """O(running requests): cheap enough for a snapshot several times a second on a large pool."""
         manager = self.kv_cache_manager
         pool = manager.block_pool
         stats = self.stats
         prefix = manager.prefix_cache_stats
-        fill: dict = {}  # block -> tokens it holds; a shared block counts once
-        for request in self.running:
-            for group in manager.get_blocks(request.request_id).blocks:
-                for i, block in enumerate(group):
-                    if not block.is_null:
-                        tokens = min(self.block_size, request.num_computed_tokens - i * self.block_size)
-                        fill[block] = max(fill.get(block, 0), tokens)
+        # Only running requests hold blocks, and only a request's last block per group can be partial
+        # (prefix hits are full blocks), so held blocks and stored tokens follow without a walk.
+        held = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+        partial_fills = [
+            r.num_computed_tokens % self.block_size
+            for r in self.running
+            for _ in range(manager.num_kv_cache_groups)
+            if r.num_computed_tokens % self.block_size
+        ]
         stats.num_running_reqs = len(self.running)
         stats.num_waiting_reqs = len(self.waiting)
         stats.kv_cache_usage = manager.get_usage()
-        stats.num_free_blocks = manager.get_num_free_blocks()
-        stats.num_blocks_held = len(fill)
-        stats.num_cached_free_blocks = pool.num_cached_blocks - sum(1 for b in fill if b.block_hash is not None)
-        stats.num_tokens_stored = sum(fill.values())
+        stats.num_free_blocks = pool.get_num_free_blocks()
+        stats.num_blocks_held = held
+        stats.num_cached_free_blocks = pool.num_cached_free_blocks
+        stats.num_tokens_stored = (held - len(partial_fills)) * self.block_size + sum(partial_fills)
         stats.prefix_cache_queries = prefix.queries
         stats.prefix_cache_hits = prefix.hits
         stats.step = self.step

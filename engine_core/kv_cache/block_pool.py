@@ -74,7 +74,7 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.kv_event_queue: list[KVCacheEvent] = []
-        self.num_cached_blocks = 0  # blocks with a hash, held or free
+        self.num_cached_free_blocks = 0  # free blocks that still hold a cached prefix (for stats)
 
     def get_cached_block(self, block_hash: BlockHash, kv_cache_group_ids: list[int]) -> list[KVCacheBlock] | None:
         """The cached block for this hash in every group given, or None if any group misses."""
@@ -106,7 +106,6 @@ class BlockPool:
             block.block_hash = key
             self.cached_block_hash_to_block.insert(key, block)
             stored.append(block_hash)
-        self.num_cached_blocks += len(stored)
         if self.enable_kv_cache_events and stored:
             first = num_full_blocks - len(stored)
             self.kv_event_queue.append(
@@ -126,6 +125,7 @@ class BlockPool:
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             if block._block_hash is not None:
+                self.num_cached_free_blocks -= 1
                 self._evict_cached_block(block)
             block.ref_cnt = 1
         return blocks
@@ -134,7 +134,6 @@ class BlockPool:
         key = block.block_hash
         self.cached_block_hash_to_block.pop(key, block.block_id)
         block.reset_hash()
-        self.num_cached_blocks -= 1
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(
                 BlockRemoved(block_hashes=[get_block_hash(key)], group_id=get_group_id(key))
@@ -148,6 +147,7 @@ class BlockPool:
                     continue
                 if block.ref_cnt == 0:
                     self.free_block_queue.remove(block)
+                    self.num_cached_free_blocks -= block._block_hash is not None
                 block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -163,6 +163,7 @@ class BlockPool:
                 raise RuntimeError(f"block {block.block_id} freed more often than it was taken")
         self.free_block_queue.prepend_n(front)
         self.free_block_queue.append_n(back)
+        self.num_cached_free_blocks += len(back)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop these blocks' prefix-cache entries (their data is gone or stale); ownership is unchanged."""
@@ -171,6 +172,7 @@ class BlockPool:
                 raise ValueError(f"block id {block_id} is outside 1..{self.num_gpu_blocks - 1}")
             block = self.blocks[block_id]
             if block._block_hash is not None:
+                self.num_cached_free_blocks -= block.ref_cnt == 0
                 self._evict_cached_block(block)
 
     def reset_prefix_cache(self) -> bool:
@@ -182,7 +184,7 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.reset_hash()
-        self.num_cached_blocks = 0
+        self.num_cached_free_blocks = 0
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
         logger.info("Prefix cache reset")

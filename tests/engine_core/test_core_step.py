@@ -179,3 +179,32 @@ def test_the_engine_core_never_imports_torch():
     code = ("import sys, engine_core.core, engine_core.scheduler, engine_core.simulate, engine_core.reference_executor; "
             "sys.exit('torch' in sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_block_stats_equal_a_walk_of_the_ledger_after_every_step(hybrid):
+    """make_stats derives held blocks, cached-free blocks and stored tokens without walking the pool."""
+    specs = {"full.0": FullAttentionSpec(16, 1, 8, 2)}
+    if hybrid:
+        specs["swa.0"] = SlidingWindowSpec(16, 1, 8, 2, 32)
+    core, ex = make_core(num_blocks=40, max_model_len=256, budget=64, kv_cache_specs=specs)
+    manager, pool = core.scheduler.kv_cache_manager, core.scheduler.kv_cache_manager.block_pool
+    shared = prompt_of(5, 48)
+    for i in range(8):
+        core.add_request(make_request(f"r{i}", (shared if i % 2 else []) + prompt_of(i, 20 + 9 * i), max_tokens=50))
+    checked = 0
+    while core.has_work():
+        core.step()
+        fill = {}
+        for r in core.scheduler.running:
+            for group in manager.get_blocks(r.request_id).blocks:
+                for i, b in enumerate(group):
+                    if not b.is_null:
+                        fill[b] = max(fill.get(b, 0), min(16, r.num_computed_tokens - i * 16))
+        stats = core.get_stats()
+        assert stats.num_blocks_held == len(fill)
+        assert stats.num_tokens_stored == sum(fill.values())
+        free = pool.free_block_queue.get_all_free_blocks()
+        assert stats.num_cached_free_blocks == sum(b.block_hash is not None for b in free)
+        checked += bool(fill)
+    assert checked > 10 and core.get_stats().num_preemptions > 0

@@ -124,6 +124,7 @@ def check_invariants(manager: KVCacheManager, requests: dict | None = None) -> N
     assert len(queued) == len(queue), "a block is in the free queue twice"
     assert 0 not in queued
     assert len(queue) == pool.get_num_free_blocks()
+    assert pool.num_cached_free_blocks == sum(b.block_hash is not None for b in queue)
 
     # Non-null block: in the free queue iff ref_cnt == 0; free + in use == N - 1.
     in_use = 0
