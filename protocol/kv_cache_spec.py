@@ -1,5 +1,7 @@
 """KV cache specs and the final KV cache config: computed by the ledger, sent to every worker."""
 
+import math
+
 import msgspec
 
 
@@ -55,3 +57,29 @@ class KVCacheGroupSpec(msgspec.Struct, frozen=True, array_like=True):
 class KVCacheConfig(msgspec.Struct, frozen=True, array_like=True):
     num_blocks: int
     kv_cache_groups: list[KVCacheGroupSpec]
+
+
+def group_layers(kv_cache_specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
+    """Group layers by spec into equal-sized groups, so that layer j of every group can share KV
+    tensor j (a block id belongs to one group at a time): one group if all specs are equal.
+    The rule both sides rely on: the engine core plans with it, a worker sizes its budget with it."""
+    by_spec: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in kv_cache_specs.items():
+        by_spec.setdefault(spec, []).append(name)
+    if len(by_spec) == 1:
+        ((spec, names),) = by_spec.items()
+        return [KVCacheGroupSpec(names, spec)]
+    page_sizes = {spec.page_size_bytes for spec in by_spec}
+    if len(page_sizes) != 1:
+        raise ValueError(f"layers with different attention types must have equal page sizes, got {page_sizes}")
+    group_size = math.gcd(*(len(names) for names in by_spec.values()))
+    return [
+        KVCacheGroupSpec(names[i : i + group_size], spec)
+        for spec, names in by_spec.items()
+        for i in range(0, len(names), group_size)
+    ]
+
+
+def bytes_per_block(groups: list[KVCacheGroupSpec]) -> int:
+    """Bytes one block id costs on one rank: the page sizes of a group's layers, summed; max over groups."""
+    return max(sum(group.kv_cache_spec.page_size_bytes for _ in group.layer_names) for group in groups)

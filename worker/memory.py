@@ -6,10 +6,11 @@ the budget is kv_cache_memory_bytes, or CPU_DEFAULT_SHARE of the RAM the OS repo
 An explicit kv_cache_memory_bytes skips profiling on either device.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
+
+from protocol import kv_cache_spec
 
 CPU_DEFAULT_SHARE = 0.25
 GIB = 1 << 30
@@ -45,9 +46,8 @@ def explicit_budget(kv_cache_memory_bytes: int) -> KVBudget:
 
 
 def bytes_per_block(specs: list) -> int:
-    """A block's bytes when layers are grouped by spec into equal groups (gcd of the counts), as the planner does."""
-    counts = {s: specs.count(s) for s in set(specs)}
-    return max(s.page_size_bytes for s in counts) * math.gcd(*counts.values())
+    """A block's bytes under the grouping rule the engine core plans with."""
+    return kv_cache_spec.bytes_per_block(kv_cache_spec.group_layers({str(i): s for i, s in enumerate(specs)}))
 
 
 def check_fits_one_block(budget: KVBudget, bytes_per_block: int) -> None:

@@ -1,10 +1,16 @@
 """Memory sizing arithmetic: from per-layer specs and each rank's KV bytes to a KVCacheConfig."""
 
-import math
 from collections.abc import Sequence
 
 from engine_core.kv_cache.single_type_manager import cdiv
-from protocol.kv_cache_spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, SlidingWindowSpec
+from protocol.kv_cache_spec import (  # noqa: F401 (bytes_per_block is part of this module's API)
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    bytes_per_block,
+    group_layers,
+)
 
 GiB = 1 << 30
 
@@ -14,28 +20,10 @@ class KVCacheSizingError(ValueError):
 
 
 def get_kv_cache_groups(kv_cache_specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
-    """Group layers by spec. Groups are equal in size so that layer j of every group can share
-    KV tensor j (a block id belongs to one group at a time): one group if all specs are equal."""
-    by_spec: dict[KVCacheSpec, list[str]] = {}
-    for name, spec in kv_cache_specs.items():
-        by_spec.setdefault(spec, []).append(name)
-    if len(by_spec) == 1:
-        ((spec, names),) = by_spec.items()
-        return [KVCacheGroupSpec(names, spec)]
-    page_sizes = {spec.page_size_bytes for spec in by_spec}
-    if len(page_sizes) != 1:
-        raise KVCacheSizingError(f"layers with different attention types must have equal page sizes, got {page_sizes}")
-    group_size = math.gcd(*(len(names) for names in by_spec.values()))
-    return [
-        KVCacheGroupSpec(names[i : i + group_size], spec)
-        for spec, names in by_spec.items()
-        for i in range(0, len(names), group_size)
-    ]
-
-
-def bytes_per_block(groups: Sequence[KVCacheGroupSpec]) -> int:
-    """Bytes one block id costs on one rank: the page sizes of a group's layers, summed; max over groups."""
-    return max(sum(group.kv_cache_spec.page_size_bytes for _ in group.layer_names) for group in groups)
+    try:
+        return group_layers(kv_cache_specs)
+    except ValueError as e:
+        raise KVCacheSizingError(str(e)) from None
 
 
 def blocks_per_request(groups: Sequence[KVCacheGroupSpec], num_tokens: int, max_num_batched_tokens: int) -> int:
