@@ -61,7 +61,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last step, for the workers
         self.step = 0
-        self.stats = SchedulerStats()
+        self.num_preemptions = 0  # totals since start-up, for stats
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
         self.num_usable_blocks = kv_cache_config.num_blocks - 1
 
     # ---- requests in and out ---------------------------------------------------------------
@@ -206,7 +208,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.stats.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.prepend(request)
 
     def _make_output(
@@ -271,9 +273,9 @@ class Scheduler:
             if not token_ids:
                 continue  # a prefill chunk: nothing sampled yet
             if request.num_output_tokens == 0:
-                self.stats.num_prompt_tokens += request.num_prompt_tokens
+                self.num_prompt_tokens += request.num_prompt_tokens
             new_token_ids, status = self._append_tokens(request, token_ids)
-            self.stats.num_generation_tokens += len(new_token_ids)
+            self.num_generation_tokens += len(new_token_ids)
             reason = None
             if status is not None:
                 self.running.remove(request)
@@ -296,7 +298,6 @@ class Scheduler:
         """O(running requests): cheap enough for a snapshot several times a second on a large pool."""
         manager = self.kv_cache_manager
         pool = manager.block_pool
-        stats = self.stats
         prefix = manager.prefix_cache_stats
         # Only running requests hold blocks, and only a request's last block per group can be partial
         # (prefix hits are full blocks), so held blocks and stored tokens follow without a walk.
@@ -307,14 +308,18 @@ class Scheduler:
             for _ in range(manager.num_kv_cache_groups)
             if r.num_computed_tokens % self.block_size
         ]
-        stats.num_running_reqs = len(self.running)
-        stats.num_waiting_reqs = len(self.waiting)
-        stats.kv_cache_usage = manager.get_usage()
-        stats.num_free_blocks = pool.get_num_free_blocks()
-        stats.num_blocks_held = held
-        stats.num_cached_free_blocks = pool.num_cached_free_blocks
-        stats.num_tokens_stored = (held - len(partial_fills)) * self.block_size + sum(partial_fills)
-        stats.prefix_cache_queries = prefix.queries
-        stats.prefix_cache_hits = prefix.hits
-        stats.step = self.step
-        return SchedulerStats(**{f: getattr(stats, f) for f in stats.__struct_fields__})
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=manager.get_usage(),
+            num_free_blocks=pool.get_num_free_blocks(),
+            num_blocks_held=held,
+            num_cached_free_blocks=pool.num_cached_free_blocks,
+            num_tokens_stored=(held - len(partial_fills)) * self.block_size + sum(partial_fills),
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            step=self.step,
+        )

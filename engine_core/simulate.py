@@ -589,7 +589,7 @@ def replay(
         ceiling_cached_tokens=ceiling,
         ceiling_hit_rate=ceiling / num_prompt if num_prompt else 0.0,
         num_output_tokens=num_output_tokens,
-        num_preemptions=scheduler.stats.num_preemptions,
+        num_preemptions=scheduler.num_preemptions,
         num_steps=executor.num_steps,
         num_prefill_tokens_computed=executor.num_prefill_tokens,
         num_decode_tokens_computed=executor.num_decode_tokens,

@@ -283,9 +283,4 @@ class EngineServer:
 
     def _fail_all(self, error: str, reason: str = "error") -> None:
         """End every in-flight request, so no client waits forever."""
-        by_client: dict[bytes, list[EngineCoreOutput]] = {}
-        for rid, owner in self.owners.items():
-            by_client.setdefault(owner, []).append(EngineCoreOutput(rid, [], reason, error=error))
-        self.owners.clear()
-        for identity, outs in by_client.items():
-            self._send(identity, outs)
+        self._send_outputs([EngineCoreOutput(rid, [], reason, error=error) for rid in self.owners])

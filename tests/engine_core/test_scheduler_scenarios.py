@@ -247,7 +247,7 @@ def test_priority_preempts_largest_priority_value_then_latest_arrival():
     assert so.preempted_req_ids == ["b"]
     assert set(so.num_scheduled_tokens) == {"x", "a"}
     assert "b" not in so.scheduled_cached_reqs.req_ids
-    assert core.scheduler.stats.num_preemptions == 1
+    assert core.scheduler.num_preemptions == 1
     results = run(core, ex)
     for rid, seed in (("x", 1), ("b", 2), ("a", 3)):
         assert results.tokens[rid] == expected_tokens(prompt_of(seed, 32), 40)
