@@ -99,7 +99,7 @@ async def drive(client: AsyncEngineClient, args: argparse.Namespace) -> tuple[li
 
     async def conversation(prompt: list[int]) -> None:
         history = prompt
-        for turn in range(turns):
+        for _ in range(turns):
             async with limit:
                 result, output = await run_one(client, history, params)
             results.append(result)
