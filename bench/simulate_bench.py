@@ -19,7 +19,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine_core.simulate import SimConfig, read_trace, replay  # noqa: E402
+from launch.simulate.replay import Replay, SimConfig
+from launch.simulate.trace import read_trace
+from protocol.config import engine_config
 
 
 def cumtime(stats: pstats.Stats, file_suffix: str, func: str) -> tuple[float, int]:
@@ -42,24 +44,24 @@ def main() -> int:
     args = p.parse_args()
 
     requests = read_trace(args.trace, args.limit)
-    config = SimConfig(block_size=args.block_size, kv_cache_tokens=int(args.kv_cache_tokens),
-                       prefix_caching_hash_algo=args.hash)
+    config = engine_config(block_size=args.block_size, prefix_caching_hash_algo=args.hash)
+    sim = SimConfig(kv_cache_tokens=int(args.kv_cache_tokens))
     if args.no_profile:
         t = time.perf_counter()
-        r = replay(requests, config, progress=True)
+        r = Replay(requests, config, sim).run(progress=True)
         print(f"{len(requests)} requests: {time.perf_counter() - t:.1f} s wall, hit rate {r.hit_rate:.2%}, "
               f"{r.num_decode_tokens_computed:,} decode tokens, {r.num_steps:,} steps")
         return 0
     prof = cProfile.Profile()  # wall time: run it on a quiet machine, or read the shares
     t = time.perf_counter()
     prof.enable()
-    r = replay(requests, config)
+    r = Replay(requests, config, sim).run()
     prof.disable()
     wall = time.perf_counter() - t
     stats = pstats.Stats(prof)
-    total = cumtime(stats, "simulate.py", "replay")[0]
+    total = sum(cumtime(stats, "simulate/replay.py", func)[0] for func in ("__init__", "run"))  # build + run
     parts = [
-        ("token synthesis", "simulate.py", "prompt"),
+        ("token synthesis", "simulate/tokens.py", "prompt"),
         ("Request() incl. prompt hashing", "request.py", "__init__"),
         ("decode-time block hashing", "request.py", "append_output_token_ids"),
         ("all block hashing", "hashing.py", "hash_new_blocks"),
@@ -72,7 +74,7 @@ def main() -> int:
         ("schedule (all)", "scheduler.py", "schedule"),
         ("  _make_output", "scheduler.py", "_make_output"),
         ("update_from_output", "scheduler.py", "update_from_output"),
-        ("executor", "simulate.py", "execute_model"),
+        ("executor", "simulate/executor.py", "execute_model"),
     ]
     print(f"{len(requests)} requests, {r.num_steps:,} steps, hit rate {r.hit_rate:.2%}; "
           f"profiled wall {wall:.1f} s")
