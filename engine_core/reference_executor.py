@@ -15,6 +15,7 @@ from protocol import (
     WorkerKVReport,
     block_ids_digest,
 )
+from protocol.kv_cache_spec import num_skipped_blocks
 
 
 def reference_next_token(token_ids: list[int], vocab_size: int) -> int:
@@ -103,7 +104,7 @@ class ReferenceExecutor:
             if not isinstance(spec, SlidingWindowSpec):
                 continue
             for req_id in so.num_scheduled_tokens:
-                skipped = max(0, self.num_computed_tokens[req_id] - spec.sliding_window + 1) // spec.block_size
+                skipped = num_skipped_blocks(self.num_computed_tokens[req_id], spec.sliding_window, spec.block_size)
                 table = self.block_tables[req_id][g]
                 table[: min(skipped, len(table))] = [0] * min(skipped, len(table))
 

@@ -4,6 +4,12 @@ import math
 
 import msgspec
 
+from protocol.sizes import cdiv, format_bytes
+
+
+class KVCacheSizingError(ValueError):
+    """Start-up cannot size the KV cache; the message says what to change."""
+
 
 def _check_positive(spec: msgspec.Struct, *names: str) -> None:
     for name in names:
@@ -47,6 +53,16 @@ class SlidingWindowSpec(msgspec.Struct, frozen=True, tag=True, array_like=True):
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
 
 
+def num_skipped_blocks(num_computed_tokens: int, sliding_window: int, block_size: int) -> int:
+    """Leading blocks wholly before the window of token num_computed_tokens: both sides hold the null block there."""
+    return max(0, num_computed_tokens - sliding_window + 1) // block_size
+
+
+def max_sliding_window_blocks(sliding_window: int, block_size: int, max_num_batched_tokens: int) -> int:
+    """Most real blocks a sliding-window request holds at once: window - 1 + chunk tokens, +1 for an unaligned start."""
+    return cdiv(sliding_window - 1 + max_num_batched_tokens, block_size) + 1
+
+
 class KVCacheGroupSpec(msgspec.Struct, frozen=True, array_like=True):
     """Layers that share one block table. Layer j of every group uses KV tensor j."""
 
@@ -83,3 +99,31 @@ def group_layers(kv_cache_specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpe
 def bytes_per_block(groups: list[KVCacheGroupSpec]) -> int:
     """Bytes one block id costs on one rank: the page sizes of a group's layers, summed; max over groups."""
     return max(sum(group.kv_cache_spec.page_size_bytes for _ in group.layer_names) for group in groups)
+
+
+def blocks_per_request(groups: list[KVCacheGroupSpec], num_tokens: int, max_num_batched_tokens: int) -> int:
+    """Block ids one request of num_tokens holds at its peak, over all groups."""
+    total = 0
+    for group in groups:
+        spec = group.kv_cache_spec
+        needed = cdiv(num_tokens, spec.block_size)
+        if isinstance(spec, SlidingWindowSpec):
+            cap = max_sliding_window_blocks(spec.sliding_window, spec.block_size, max_num_batched_tokens)
+            needed = min(needed, cap)
+        total += needed
+    return total
+
+
+def check_fits_one_block(available_bytes: int, block_bytes: int, detail: str = "") -> None:
+    """The start-up error of a KV cache budget below one block, on either side (vLLM's wording, our flags)."""
+    if available_bytes >= block_bytes:
+        return
+    need, have = format_bytes(block_bytes), format_bytes(available_bytes)
+    if need == have:  # rounded to the same figure: the bytes tell them apart
+        need, have = f"{block_bytes:,} bytes", f"{available_bytes:,} bytes"
+    terms = f" ({detail})" if detail else ""
+    raise KVCacheSizingError(
+        f"No available memory for the cache blocks: one block needs {need} but the KV cache "
+        f"budget is {have}{terms}. Try increasing --kv-cache-memory-bytes; on CUDA, increase "
+        "--gpu-memory-utilization or lower --max-num-batched-tokens (it sets the size of the profile run)."
+    )

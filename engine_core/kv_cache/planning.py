@@ -2,21 +2,19 @@
 
 from collections.abc import Sequence
 
-from engine_core.kv_cache.single_type_manager import cdiv
-from protocol.kv_cache_spec import (  # noqa: F401 (bytes_per_block is part of this module's API)
+from protocol.kv_cache_spec import (
     KVCacheConfig,
     KVCacheGroupSpec,
+    KVCacheSizingError,
     KVCacheSpec,
-    SlidingWindowSpec,
+    blocks_per_request,
     bytes_per_block,
+    check_fits_one_block,
     group_layers,
 )
+from protocol.sizes import format_bytes
 
 GiB = 1 << 30
-
-
-class KVCacheSizingError(ValueError):
-    """Start-up cannot size the KV cache; the message says what to change."""
 
 
 def get_kv_cache_groups(kv_cache_specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
@@ -26,25 +24,8 @@ def get_kv_cache_groups(kv_cache_specs: dict[str, KVCacheSpec]) -> list[KVCacheG
         raise KVCacheSizingError(str(e)) from None
 
 
-def blocks_per_request(groups: Sequence[KVCacheGroupSpec], num_tokens: int, max_num_batched_tokens: int) -> int:
-    """Block ids one request of num_tokens holds at its peak, over all groups."""
-    total = 0
-    for group in groups:
-        spec = group.kv_cache_spec
-        needed = cdiv(num_tokens, spec.block_size)
-        if isinstance(spec, SlidingWindowSpec):
-            needed = min(needed, cdiv(spec.sliding_window - 1 + max_num_batched_tokens, spec.block_size) + 1)
-        total += needed
-    return total
-
-
 def get_num_blocks(available_bytes: int, block_bytes: int) -> int:
-    if available_bytes < block_bytes:
-        raise KVCacheSizingError(
-            f"No available memory for the cache blocks: {available_bytes / GiB:.2f} GiB is left for the KV cache, "
-            f"one block needs {block_bytes} bytes. Raise --gpu-memory-utilization or --kv-cache-memory-bytes, "
-            "or lower --max-num-batched-tokens (it sets the size of the profile run)."
-        )
+    check_fits_one_block(available_bytes, block_bytes)
     return available_bytes // block_bytes
 
 
@@ -66,7 +47,7 @@ def get_kv_cache_config(
 
 
 def check_max_model_len_fits(
-    groups: Sequence[KVCacheGroupSpec], num_blocks: int, max_model_len: int, max_num_batched_tokens: int,
+    groups: list[KVCacheGroupSpec], num_blocks: int, max_model_len: int, max_num_batched_tokens: int,
     block_bytes: int,
 ) -> None:
     usable = num_blocks - 1  # block 0 is the null block
@@ -79,11 +60,13 @@ def check_max_model_len_fits(
             lo = mid
         else:
             hi = mid - 1
-    needed = blocks_per_request(groups, max_model_len, max_num_batched_tokens) * block_bytes
+    needed = blocks_per_request(groups, max_model_len, max_num_batched_tokens)
     raise KVCacheSizingError(
-        f"One request of max_model_len={max_model_len} tokens needs {needed / GiB:.2f} GiB of KV cache, more than "
-        f"the {usable * block_bytes / GiB:.2f} GiB available ({usable} usable blocks). The estimated maximum "
-        f"model length is {lo}. Lower --max-model-len or give the KV cache more memory."
+        f"One request of max_model_len={max_model_len:,} tokens needs {needed:,} blocks "
+        f"({format_bytes(needed * block_bytes)}) of KV cache, more than the {usable:,} usable blocks "
+        f"({format_bytes(usable * block_bytes)}) available. The estimated maximum model length is {lo}. "
+        "Lower --max-model-len or give the KV cache more memory (--kv-cache-memory-bytes, or "
+        "--gpu-memory-utilization on CUDA)."
     )
 
 

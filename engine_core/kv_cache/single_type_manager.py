@@ -4,14 +4,17 @@ from typing import TYPE_CHECKING
 
 from engine_core.kv_cache.block import BlockHash, KVCacheBlock
 from engine_core.kv_cache.block_pool import BlockPool
-from protocol.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from protocol.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    max_sliding_window_blocks,
+    num_skipped_blocks,
+)
+from protocol.sizes import cdiv
 
 if TYPE_CHECKING:
     from engine_core.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class SingleTypeKVCacheManager:
@@ -117,9 +120,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                  max_num_batched_tokens: int) -> None:
         super().__init__(kv_cache_spec, block_pool, kv_cache_group_id)
         self.sliding_window = kv_cache_spec.sliding_window
-        # Peak real blocks: the window behind the first token of a chunk, the chunk, one partial block.
-        self.max_admission_blocks_per_request = (
-            cdiv(self.sliding_window - 1 + max_num_batched_tokens, self.block_size) + 1
+        self.max_admission_blocks_per_request = max_sliding_window_blocks(
+            self.sliding_window, self.block_size, max_num_batched_tokens
         )
 
     @classmethod
@@ -152,7 +154,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Replace blocks wholly before the window of the next token by the null block, and free them."""
-        first_useful_block = max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+        first_useful_block = num_skipped_blocks(num_computed_tokens, self.sliding_window, self.block_size)
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return

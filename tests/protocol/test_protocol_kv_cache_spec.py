@@ -5,6 +5,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocol import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+from protocol.kv_cache_spec import (
+    KVCacheSizingError,
+    blocks_per_request,
+    check_fits_one_block,
+    max_sliding_window_blocks,
+    num_skipped_blocks,
+)
 
 # Llama-3.1-8B, bf16, block of 16 tokens: 8 KV heads x 16 tokens x (128 + 128) x 2 bytes
 LLAMA_8B_PAGE = 8 * 16 * (128 + 128) * 2
@@ -88,3 +95,45 @@ def test_page_size_formula(block_size, heads, head_size, dtype_bytes, head_size_
     expected = heads * block_size * (head_size + v) * dtype_bytes
     assert FullAttentionSpec(block_size, heads, head_size, dtype_bytes, head_size_v).page_size_bytes == expected
     assert SlidingWindowSpec(block_size, heads, head_size, dtype_bytes, window, head_size_v).page_size_bytes == expected
+
+
+@given(st.integers(0, 10_000), st.integers(1, 2048), st.sampled_from([1, 4, 16]))
+def test_skipped_blocks_are_exactly_those_before_the_window(num_computed, window, block_size):
+    """Token num_computed sees keys [num_computed - window + 1, num_computed]; a skipped block has none of them."""
+    skipped = num_skipped_blocks(num_computed, window, block_size)
+    first_visible = max(0, num_computed - window + 1)
+    assert skipped * block_size <= first_visible  # every skipped block ends before the first visible key
+    assert first_visible < (skipped + 1) * block_size  # the next block holds it (or is partly visible)
+
+
+def test_skipped_blocks_examples():
+    assert num_skipped_blocks(0, 4, 4) == 0
+    assert num_skipped_blocks(6, 4, 4) == 0  # token 6 sees 3..6: block 0 (0..3) still holds key 3
+    assert num_skipped_blocks(7, 4, 4) == 1  # token 7 sees 4..7
+    assert num_skipped_blocks(100, 32, 16) == 4  # sees 69..100: blocks 0-3 (0..63) are gone
+
+
+def test_sliding_window_block_cap():
+    # The window behind a chunk's first token (63 tokens), the chunk (256), one partial block: cdiv(319, 16) + 1
+    assert max_sliding_window_blocks(64, 16, 256) == 21
+    assert max_sliding_window_blocks(1, 16, 16) == 2
+    groups = [
+        KVCacheGroupSpec(["a"], SlidingWindowSpec(16, 2, 64, 2, 64)),
+        KVCacheGroupSpec(["b"], FullAttentionSpec(16, 2, 64, 2)),
+    ]
+    assert blocks_per_request(groups, 10_000, 256) == 21 + 625  # the window group is capped, the full one is not
+    assert blocks_per_request(groups, 100, 256) == 7 + 7
+
+
+def test_one_block_check_wording():
+    check_fits_one_block(8192, 8192)
+    with pytest.raises(KVCacheSizingError) as err:
+        check_fits_one_block(8191, 8192, "--kv-cache-memory-bytes 8191")
+    assert str(err.value) == (
+        "No available memory for the cache blocks: one block needs 8,192 bytes but the KV cache budget is 8,191 bytes "
+        "(--kv-cache-memory-bytes 8191). Try increasing --kv-cache-memory-bytes; on CUDA, increase "
+        "--gpu-memory-utilization or lower --max-num-batched-tokens (it sets the size of the profile run)."
+    )
+    assert isinstance(err.value, ValueError)
+    with pytest.raises(KVCacheSizingError, match="one block needs 8 KiB but the KV cache budget is 1000 B. Try"):
+        check_fits_one_block(1000, 8192)
