@@ -12,6 +12,7 @@ ids (common: a fresh pool hands them out in order) is read through a view of the
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,18 @@ class StepRequests:
     token_rows: torch.Tensor  # [num_tokens] block table row of each token
 
 
+class RequestKeys(NamedTuple):
+    """One scheduled request's keys and queries this step, as host ints."""
+
+    key_start: int  # first visible key (token position)
+    key_end: int  # one past the last key: num_computed + num_queries
+    first_block: int  # block table column of key_start
+    num_blocks: int  # block table columns from first_block to the last key
+    num_computed: int
+    num_queries: int
+    query_start: int  # first query's row in the step's tokens
+
+
 def build_metadata(
     table: torch.Tensor, block_size: int, window: int | None, reqs: StepRequests, kv_bytes_per_token: int
 ) -> AttentionMetadata:
@@ -63,32 +76,33 @@ def build_metadata(
     nc, nq = reqs.num_computed, reqs.num_scheduled
     key_start = torch.zeros_like(nc) if window is None else (nc - window + 1).clamp(min=0)
     key_end = nc + nq
+    # With a window this is kv_cache_spec.num_skipped_blocks, on tensors: the null blocks before it are never read.
     first_block = torch.div(key_start, block_size, rounding_mode="floor")
     num_blocks = torch.div(key_end - 1, block_size, rounding_mode="floor") - first_block + 1
     cols = first_block.unsqueeze(1) + torch.arange(int(num_blocks.max()), device=table.device)
     block_ids = table[reqs.rows.unsqueeze(1), cols.clamp(max=table.shape[1] - 1)].long()
     consecutive = _consecutive(block_ids, num_blocks).tolist()
-    per_req = list(zip(*(t.tolist() for t in (key_start, key_end, first_block, num_blocks, nc, nq, reqs.query_start))))
+    columns = (key_start, key_end, first_block, num_blocks, nc, nq, reqs.query_start)
+    per_req = [RequestKeys(*r) for r in zip(*(t.tolist() for t in columns))]
     spans, i = [], 0
     budget = DECODE_CHUNK_BYTES // (block_size * kv_bytes_per_token)  # blocks per decode run
     while i < len(per_req):
-        k0, k1, b0, nb, c, q, s = per_req[i]
         run = _decode_run_length(per_req, consecutive, i, budget)
         if run > 1:
             spans.append(_decode_run(block_ids[i : i + run], per_req[i : i + run], key_start, key_end, block_size, i))
         else:
-            spans.append(_single(block_ids[i, :nb], k0, k1, b0, c, q, s, window, block_size))
+            spans.append(_single(block_ids[i, : per_req[i].num_blocks], per_req[i], window, block_size))
             if consecutive[i]:
                 spans[-1].first_block = int(block_ids[i, 0])
         i += run
     return AttentionMetadata(slot_mapping, spans)
 
 
-def _decode_run_length(per_req: list[tuple], consecutive: list[bool], i: int, budget: int) -> int:
+def _decode_run_length(per_req: list[RequestKeys], consecutive: list[bool], i: int, budget: int) -> int:
     """How many decode requests from i on to batch: scattered ones only, padded blocks within budget."""
     run = 0
-    while i + run < len(per_req) and per_req[i + run][5] == 1 and not consecutive[i + run]:
-        if (run + 1) * max(r[3] for r in per_req[i : i + run + 1]) > budget:
+    while i + run < len(per_req) and per_req[i + run].num_queries == 1 and not consecutive[i + run]:
+        if (run + 1) * max(r.num_blocks for r in per_req[i : i + run + 1]) > budget:
             break
         run += 1
     return max(run, 1)
@@ -101,22 +115,30 @@ def _consecutive(block_ids: torch.Tensor, num_blocks: torch.Tensor) -> torch.Ten
     return (steps | ~inside).all(dim=1)
 
 
-def _single(block_ids, k0, k1, b0, num_computed, num_queries, q_start, window, block_size) -> Span:
-    span = Span(q_start, q_start + num_queries, block_ids, 1, key_offset=k0 - b0 * block_size, num_keys=k1 - k0)
-    if num_queries > 1 and window is None and num_computed == 0:
+def _single(block_ids, r: RequestKeys, window, block_size) -> Span:
+    span = Span(
+        r.query_start,
+        r.query_start + r.num_queries,
+        block_ids,
+        1,
+        key_offset=r.key_start - r.first_block * block_size,
+        num_keys=r.key_end - r.key_start,
+    )
+    if r.num_queries > 1 and window is None and r.num_computed == 0:
         span.causal = True
-    elif num_queries > 1:
-        span.mask = _visible(num_computed, num_queries, k0, k1, window, block_ids.device)
+    elif r.num_queries > 1:
+        span.mask = _visible(r.num_computed, r.num_queries, r.key_start, r.key_end, window, block_ids.device)
     return span
 
 
-def _decode_run(block_ids, rows, key_start, key_end, block_size, first) -> Span:
+def _decode_run(block_ids, rows: list[RequestKeys], key_start, key_end, block_size, first) -> Span:
     """Decode tokens of consecutive requests: blocks padded to the longest, keys masked per request."""
-    n, nb = len(rows), max(r[3] for r in rows)
-    kpos = torch.tensor([r[2] for r in rows], device=block_ids.device).unsqueeze(1) * block_size
+    n, nb = len(rows), max(r.num_blocks for r in rows)
+    kpos = torch.tensor([r.first_block for r in rows], device=block_ids.device).unsqueeze(1) * block_size
     kpos = kpos + torch.arange(nb * block_size, device=block_ids.device)
     visible = (kpos >= key_start[first : first + n, None]) & (kpos < key_end[first : first + n, None])
-    return Span(rows[0][6], rows[0][6] + n, block_ids[:, :nb].flatten(), n, mask=visible.view(n, 1, 1, -1))
+    q0 = rows[0].query_start
+    return Span(q0, q0 + n, block_ids[:, :nb].flatten(), n, mask=visible.view(n, 1, 1, -1))
 
 
 def _visible(num_computed, num_queries, key_start, key_end, window, device) -> torch.Tensor:

@@ -1,17 +1,16 @@
 """Applies SchedulerOutputs: request state, block tables, one forward, sampling on rank 0."""
 
-import re
 from dataclasses import dataclass
 
 import torch
 
 from protocol import KVCacheConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput
+from protocol.kv_cache_spec import num_skipped_blocks
+from protocol.sizes import cdiv
 from worker.attention import DECODE_CHUNK_BYTES, GatherBuffer, StepRequests, build_metadata
 from worker.block_table import BlockTableMismatch, BlockTables
 from worker.model.llama import LlamaModel
 from worker.sampler import sample
-
-_LAYER = re.compile(r"model\.layers\.(\d+)\.self_attn")
 
 
 @dataclass
@@ -27,6 +26,9 @@ class ModelRunner:
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.check_block_tables = check_block_tables
         self.requests: dict[str, RequestState] = {}
+        # The names this rank reports in its KV cache specs; the config's groups come back with them.
+        self.layer_names = [f"model.layers.{i}.self_attn" for i in range(len(model.layers))]
+        self.layer_index = {name: i for i, name in enumerate(self.layer_names)}
 
     def init_kv_cache(self, cfg: KVCacheConfig, dtype: torch.dtype, device) -> None:
         """Allocate KV tensors once: layer j of every group shares tensor j."""
@@ -42,11 +44,13 @@ class ModelRunner:
         self.layer_slots = [None] * len(m.layers)  # layer index -> (group, tensor)
         for g, group in enumerate(groups):
             for j, name in enumerate(group.layer_names):
-                self.layer_slots[int(_LAYER.fullmatch(name).group(1))] = (g, j)
+                if name not in self.layer_index:
+                    raise ValueError(f"the KV cache config names a layer this model does not have: {name!r}")
+                self.layer_slots[self.layer_index[name]] = (g, j)
         if None in self.layer_slots:
             raise ValueError("the KV cache config leaves some layers without a KV cache group")
         self._check_windows(groups)
-        max_blocks = -(-self.max_model_len // self.block_size)
+        max_blocks = cdiv(self.max_model_len, self.block_size)
         self.tables = BlockTables(len(groups), self.max_num_seqs, max_blocks, device)
         self.kv_bytes_per_token = 2 * m.kv_heads_per_rank * m.cfg.head_dim * torch.finfo(dtype).bits // 8
         buffer_tokens = max(max_blocks * self.block_size, DECODE_CHUNK_BYTES // self.kv_bytes_per_token)
@@ -100,7 +104,7 @@ class ModelRunner:
         for g, window in enumerate(self.windows):
             if window is not None:
                 for req_id, nc in batch:
-                    skipped = max(0, nc - window + 1) // self.block_size
+                    skipped = num_skipped_blocks(nc, window, self.block_size)
                     self.tables.groups[g].null_skipped(self.tables.rows[req_id], skipped)
 
     def _run(self, batch: list[tuple[str, int]], num_scheduled: dict[str, int]) -> list[list[int]]:
