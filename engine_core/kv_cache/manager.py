@@ -80,6 +80,26 @@ class KVCacheManager:
     ) -> KVCacheBlocks | None:
         """Blocks for num_new_tokens more tokens. Counts first: on None nothing has changed.
 
+        One request's tokens as this call sees them (a, b, c, d are token counts from its start):
+
+            0              a                   b                  c                   d
+            |   computed   |   new computed    |       new        |     lookahead     |
+            +--------------+-------------------+------------------+-------------------+
+              blocks held    prefix-cache hits   tokens computed    slots reserved for
+              already        adopted now         this step          later, no tokens yet
+
+            a = request.num_computed_tokens
+            b = a + num_new_computed_tokens      (their blocks: new_computed_blocks)
+            c = b + num_new_tokens
+            d = c + num_lookahead_tokens
+
+        Blocks must cover [0, min(d, max_model_len)): computed blocks are held already, the new computed
+        blocks are adopted (a new request only), and new blocks come from the free queue for the rest.
+        First, blocks wholly before the sliding window of token b (num_skipped_blocks) become the null block.
+        Full blocks up to min(c, request.num_tokens) are hash-registered; lookahead slots are not.
+        With full_sequence_must_fit (admission), the whole request up to min(request.num_tokens,
+        max_model_len) must fit as well.
+
         Returns only the blocks new to this call (for a new request, get_blocks() has all of them).
         """
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
