@@ -1,7 +1,7 @@
 """The block pool: every KV block, the free queue, the prefix-cache hash map and KV events."""
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from engine_core.kv_cache.block import (
@@ -13,7 +13,16 @@ from engine_core.kv_cache.block import (
     make_block_hash_with_group_id,
 )
 from engine_core.kv_cache.free_queue import FreeKVCacheBlockQueue
-from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from engine_core.kv_cache.hashing import block_extra_keys
+from protocol.kv_cache_spec import KVCacheSpec, SlidingWindowSpec
+from protocol.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    external_block_hash,
+)
 
 if TYPE_CHECKING:
     from engine_core.request import Request
@@ -61,8 +70,16 @@ class BlockHashToBlockMap:
         self._map.clear()
 
 
+def kv_cache_spec_kind(spec: KVCacheSpec) -> tuple[str, int | None]:
+    """vLLM's kv_cache_spec_kind and kv_cache_spec_sliding_window of a group, for its BlockStored events."""
+    if isinstance(spec, SlidingWindowSpec):
+        return "sliding_window", spec.sliding_window
+    return "full_attention", None
+
+
 class BlockPool:
-    def __init__(self, num_gpu_blocks: int, enable_caching: bool, enable_kv_cache_events: bool = False) -> None:
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool, enable_kv_cache_events: bool = False,
+                 kv_cache_specs: Sequence[KVCacheSpec] = ()) -> None:
         if num_gpu_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks (block 0 is the null block), got {num_gpu_blocks}")
         self.num_gpu_blocks = num_gpu_blocks
@@ -74,6 +91,8 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.kv_event_queue: list[KVCacheEvent] = []
+        # Per group id; a pool built without specs sends no spec kind.
+        self.group_spec_kinds = dict(enumerate(map(kv_cache_spec_kind, kv_cache_specs)))
         self.num_cached_free_blocks = 0  # free blocks that still hold a cached prefix (for stats)
 
     def get_cached_block(self, block_hash: BlockHash, kv_cache_group_ids: list[int]) -> list[KVCacheBlock] | None:
@@ -108,13 +127,20 @@ class BlockPool:
             stored.append(block_hash)
         if self.enable_kv_cache_events and stored:
             first = num_full_blocks - len(stored)
+            kind, window = self.group_spec_kinds.get(kv_cache_group_id, (None, None))
             self.kv_event_queue.append(
                 BlockStored(
-                    block_hashes=stored,
-                    parent_block_hash=request.block_hashes[first - 1] if first > 0 else None,
+                    block_hashes=[external_block_hash(h) for h in stored],
+                    parent_block_hash=external_block_hash(request.block_hashes[first - 1]) if first > 0 else None,
                     token_ids=request.all_token_ids[first * block_size : num_full_blocks * block_size],
                     block_size=block_size,
-                    group_id=kv_cache_group_id,
+                    lora_id=None,
+                    medium=MEDIUM_GPU,
+                    lora_name=None,
+                    extra_keys=[block_extra_keys(request, i) for i in range(first, num_full_blocks)],
+                    group_idx=kv_cache_group_id,
+                    kv_cache_spec_kind=kind,
+                    kv_cache_spec_sliding_window=window,
                 )
             )
 
@@ -136,7 +162,9 @@ class BlockPool:
         block.reset_hash()
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(
-                BlockRemoved(block_hashes=[get_block_hash(key)], group_id=get_group_id(key))
+                BlockRemoved(
+                    block_hashes=[external_block_hash(get_block_hash(key))], medium=MEDIUM_GPU, group_idx=get_group_id(key)
+                )
             )
 
     def touch(self, blocks: Iterable[list[KVCacheBlock]]) -> None:

@@ -20,7 +20,8 @@ class KVCacheCoordinator:
         enable_kv_cache_events: bool,
     ) -> None:
         self.kv_cache_config = kv_cache_config
-        self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching, enable_kv_cache_events)
+        self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching, enable_kv_cache_events,
+                                    [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups])
         self.single_type_managers = tuple(
             get_manager_for_kv_cache_spec(group.kv_cache_spec, self.block_pool, i, max_num_batched_tokens)
             for i, group in enumerate(kv_cache_config.kv_cache_groups)

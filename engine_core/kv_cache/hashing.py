@@ -54,6 +54,11 @@ def hash_block_tokens(
     return hash_fn(parent_hash + len(extra).to_bytes(4, "little") + extra + _pack_tokens(token_ids))
 
 
+def block_extra_keys(request: "Request", block_index: int) -> tuple | None:
+    """What is hashed into a block besides its tokens: the cache salt, on the first block only."""
+    return (request.cache_salt,) if block_index == 0 and request.cache_salt else None
+
+
 def get_request_block_hasher(block_size: int, hash_fn: HashFn) -> "Callable[[Request], list[BlockHash]]":
     """Returns a function that hashes the request's full blocks it has not hashed yet."""
 
@@ -64,8 +69,8 @@ def get_request_block_hasher(block_size: int, hash_fn: HashFn) -> "Callable[[Req
         new = []
         tokens = request.all_token_ids
         for i in range(start, end):
-            extra = (request.cache_salt,) if i == 0 and request.cache_salt else None
-            parent = hash_block_tokens(hash_fn, parent, tokens[i * block_size : (i + 1) * block_size], extra)
+            block_tokens = tokens[i * block_size : (i + 1) * block_size]
+            parent = hash_block_tokens(hash_fn, parent, block_tokens, block_extra_keys(request, i))
             new.append(parent)
         return new
 

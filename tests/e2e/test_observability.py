@@ -146,5 +146,8 @@ def test_kvengine_events_prints_the_servers_batches_including_missed_ones(start_
         if sub.poll() is None:
             sub.kill()
     batches = [json.loads(line) for line in out.splitlines()]
-    assert [b[0] for b in batches] == [0, 1, 2, 3, 4]  # seq from 0: the missed ones were replayed
-    assert all(event[0] == "BlockStored" for b in batches for event in b[2])
+    assert [b["seq"] for b in batches] == [0, 1, 2, 3, 4]  # seq from 0: the missed ones were replayed
+    events = [event for b in batches for event in b["events"]]
+    assert events and all(event["type"] == "BlockStored" for event in events)
+    assert all(event["medium"] == "GPU" and event["group_idx"] == 0 and event["lora_id"] is None for event in events)
+    assert all(len(event["token_ids"]) == 16 * len(event["block_hashes"]) for event in events)

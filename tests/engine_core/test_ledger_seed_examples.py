@@ -18,7 +18,7 @@ from engine_core.kv_cache.planning import (
     get_kv_cache_groups,
 )
 from protocol.kv_cache_spec import FullAttentionSpec
-from protocol.kv_events import BlockRemoved
+from protocol.kv_events import MEDIUM_GPU, BlockRemoved, external_block_hash
 from test_ledger_support import (
     admit,
     check_invariants,
@@ -149,7 +149,7 @@ def test_r1_r2_reference_count_table_row_by_row():
     assert out.get_block_ids() == [[2]]  # b is evicted before a
     assert b.block_hash is None and a.block_hash is not None
     assert [e for e in mgr.take_events() if isinstance(e, BlockRemoved)] == [
-        BlockRemoved(block_hashes=[r1.block_hashes[1]], group_id=0)
+        BlockRemoved(block_hashes=[external_block_hash(r1.block_hashes[1])], medium=MEDIUM_GPU, group_idx=0)
     ]
     check_invariants(mgr)
 
@@ -217,7 +217,7 @@ def test_check_4_usage_stays_low_while_cached_blocks_are_evicted_and_hits_fall()
         assert mgr.get_usage() == pytest.approx(0.10)
         check_invariants(mgr)
     removed = {h for e in mgr.take_events() if isinstance(e, BlockRemoved) for h in e.block_hashes}
-    assert set(probe.block_hashes) <= removed
+    assert {external_block_hash(h) for h in probe.block_hashes} <= removed
 
     late = make_request("P3", prompt, block_size=4)
     assert mgr.get_usage() == pytest.approx(0.10)

@@ -6,12 +6,12 @@ allocate_slots changed nothing) and one checker for every DESIGN.md invariant of
 
 from collections import Counter
 
-from engine_core.kv_cache.block import make_block_hash_with_group_id
+from engine_core.kv_cache.block import get_block_hash, get_group_id, make_block_hash_with_group_id
 from engine_core.kv_cache.hashing import get_hash_fn, get_request_block_hasher
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.request import Request, RequestStatus
 from protocol.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
-from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, external_block_hash
 
 
 def cdiv(a: int, b: int) -> int:
@@ -179,7 +179,8 @@ def check_invariants(manager: KVCacheManager, requests: dict | None = None) -> N
 
 
 class EventMirror:
-    """Rebuilds the hash map's key counts from the KV events alone, to check the events are complete."""
+    """Rebuilds the hash map's key counts from the KV events alone, to check the events are complete.
+    Events carry the 64-bit wire form of a hash, so keys are (wire hash, group id)."""
 
     def __init__(self) -> None:
         self.keys = Counter()
@@ -188,10 +189,10 @@ class EventMirror:
         for ev in events:
             if isinstance(ev, BlockStored):
                 for h in ev.block_hashes:
-                    self.keys[make_block_hash_with_group_id(h, ev.group_id)] += 1
+                    self.keys[h, ev.group_idx] += 1
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
-                    key = make_block_hash_with_group_id(h, ev.group_id)
+                    key = (h, ev.group_idx)
                     self.keys[key] -= 1
                     assert self.keys[key] >= 0, "BlockRemoved for a hash never stored"
                     if not self.keys[key]:
@@ -202,5 +203,7 @@ class EventMirror:
                 raise AssertionError(f"unknown event {ev!r}")
 
     def check(self, pool) -> None:
-        expected = Counter({k: len(v) for k, v in hash_map_contents(pool).items()})
+        expected: Counter = Counter()
+        for k, v in hash_map_contents(pool).items():
+            expected[external_block_hash(get_block_hash(k)), get_group_id(k)] += len(v)
         assert +self.keys == expected

@@ -31,7 +31,7 @@ from engine_core.kv_cache.planning import (
 from engine_core.kv_cache.single_type_manager import FullAttentionManager, SlidingWindowManager
 from engine_core.request import RequestStatus
 from protocol.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
-from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from protocol.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, external_block_hash
 from test_ledger_support import (
     admit,
     cdiv,
@@ -56,6 +56,7 @@ class FakeRequest:
     def __init__(self, block_hashes, token_ids):
         self.block_hashes = block_hashes
         self.all_token_ids = token_ids
+        self.cache_salt = None
 
 
 def cache(pool, blocks, hashes, group_id=0, block_size=4):
@@ -167,7 +168,7 @@ def test_get_new_blocks_evicts_a_reused_blocks_hash_and_emits_block_removed():
     assert reused.block_hash is None and reused.ref_cnt == 1
     assert pool.get_cached_block(b"h2", [0]) is None
     assert pool.get_cached_block(b"h1", [0]) == [blocks[1]]
-    assert pool.take_events() == [BlockRemoved(block_hashes=[b"h2"], group_id=0)]
+    assert pool.take_events() == [BlockRemoved(block_hashes=[external_block_hash(b"h2")], medium=MEDIUM_GPU, group_idx=0)]
 
 
 def test_touch_takes_a_free_hit_out_of_the_queue():
@@ -225,8 +226,8 @@ def test_evict_blocks_drops_hashes_but_not_ownership():
     assert pool.get_cached_block(b"a", [0]) is None and pool.get_cached_block(b"c", [0]) is None
     assert blocks[2].block_id in queue_ids(pool)
     assert pool.take_events() == [
-        BlockRemoved(block_hashes=[b"a"], group_id=0),
-        BlockRemoved(block_hashes=[b"c"], group_id=0),
+        BlockRemoved(block_hashes=[external_block_hash(b"a")], medium=MEDIUM_GPU, group_idx=0),
+        BlockRemoved(block_hashes=[external_block_hash(b"c")], medium=MEDIUM_GPU, group_idx=0),
     ]
 
 
@@ -271,22 +272,29 @@ def test_kv_events_stored_with_parent_hash_and_token_ids_then_removed():
     mgr = make_manager(5, full_spec(4), enable_kv_cache_events=True)
     req = make_request("r", range(10), block_size=4)
     admit(mgr, req)
-    h = req.block_hashes
+
+    def h(i):  # a hash as the events carry it
+        return external_block_hash(req.block_hashes[i])
+
+    stored = {"lora_id": None, "medium": MEDIUM_GPU, "lora_name": None, "group_idx": 0,
+              "kv_cache_spec_kind": "full_attention"}
     assert mgr.take_events() == [
-        BlockStored(block_hashes=[h[0], h[1]], parent_block_hash=None, token_ids=list(range(8)), block_size=4)
+        BlockStored(block_hashes=[h(0), h(1)], parent_block_hash=None, token_ids=list(range(8)), block_size=4,
+                    extra_keys=[None, None], **stored)
     ]
     req.append_output_token_ids([10])
     decode(mgr, req, 11)  # 11 computed: block 2 not full yet
     assert mgr.take_events() == []
     decode(mgr, req, 12)  # 12 computed: block 2 is full
     assert mgr.take_events() == [
-        BlockStored(block_hashes=[h[2]], parent_block_hash=h[1], token_ids=[8, 9, 10, 11], block_size=4)
+        BlockStored(block_hashes=[h(2)], parent_block_hash=h(1), token_ids=[8, 9, 10, 11], block_size=4,
+                    extra_keys=[None], **stored)
     ]
     mgr.free(req)
     other = make_request("o", range(100, 116), block_size=4)
     admit(mgr, other)  # 4 blocks: the uncached tail, then the cached blocks of r (evicted)
     removed = [e for e in mgr.take_events() if isinstance(e, BlockRemoved)]
-    assert [e.block_hashes for e in removed] == [[h[2]], [h[1]], [h[0]]]
+    assert [e.block_hashes for e in removed] == [[h(2)], [h(1)], [h(0)]]
 
 
 def test_no_events_unless_enabled():
@@ -693,7 +701,7 @@ def _specs(n_full=1, n_swa=0, block_size=16, window=64):
 def test_planning_no_memory_is_a_clear_error():
     page = FullAttentionSpec(16, 2, 64, 2).page_size_bytes
     for available in (0, page - 1):
-        with pytest.raises(ValueError, match="No available memory for the cache blocks"):
+        with pytest.raises(ValueError, match="No available memory for the cache blocks: one block needs 8"):
             get_kv_cache_config(_specs(), [available], max_model_len=16, max_num_batched_tokens=16)
     with pytest.raises(KVCacheSizingError):
         get_num_blocks(10, 11)
@@ -709,6 +717,8 @@ def test_planning_max_model_len_that_does_not_fit_names_the_largest_that_would()
     with pytest.raises(ValueError, match="estimated maximum model length is 144") as err:
         get_kv_cache_config(_specs(), [10 * page], max_model_len=145, max_num_batched_tokens=16)
     assert isinstance(err.value, KVCacheSizingError)
+    # Sizes in a unit that says something, beside the block counts (a block here is 8 KiB).
+    assert "needs 10 blocks (80 KiB) of KV cache, more than the 9 usable blocks (72 KiB) available" in str(err.value)
     with pytest.raises(KVCacheSizingError, match="estimated maximum model length is 144"):
         get_kv_cache_config(_specs(), [10 * page], max_model_len=100_000, max_num_batched_tokens=16)
 

@@ -184,18 +184,20 @@ SAMPLES = [
         "kv_events",
         "kv-events-all-kinds",
         KVEventBatch(
-            seq=3,
-            timestamp=99.0,
+            ts=99.0,
             events=[
-                BlockStored([b"\x01" * 8, b"\x02" * 8], None, list(range(32)), 16),
-                BlockStored([b"\x03" * 8], b"\x02" * 8, list(range(16)), 16, group_id=1),
-                BlockRemoved([b"\x01" * 8]),
-                BlockRemoved([b"\x03" * 8], group_id=1),
+                BlockStored([2**64 - 1, 2], None, list(range(32)), 16, None, "GPU", None, [("salt",), None], 0,
+                            "full_attention"),
+                BlockStored([3], 2, list(range(16)), 16, None, "GPU", None, [None], 1, "sliding_window", 4096),
+                BlockStored([b"\x04" * 32], b"\x03" * 32, [1], 1, None, None, None),  # vLLM may send digests
+                BlockRemoved([2**64 - 1], "GPU", group_idx=0),
+                BlockRemoved([3], "GPU", group_idx=1),
                 AllBlocksCleared(),
             ],
+            data_parallel_rank=0,
         ),
     ),
-    ("kv_events", "kv-events-empty", KVEventBatch(0, 0.0, [])),
+    ("kv_events", "kv-events-empty", KVEventBatch(0.0, [])),
 ]
 SAMPLE_IDS = [s[1] for s in SAMPLES]
 
@@ -235,7 +237,8 @@ def test_round_trip_on_its_socket(socket, _id, msg):
 
 @pytest.mark.parametrize("socket,_id,msg", SAMPLES, ids=SAMPLE_IDS)
 def test_wire_format_is_plain_msgpack(socket, _id, msg):
-    """Any msgpack reader can read every message (no pickle, no ext types); structs travel as arrays."""
+    """Any msgpack reader can read every message (no pickle, no ext types); structs travel as arrays
+    (KV events are maps inside the batch array, as vLLM sends them)."""
     raw = msgspec.msgpack.decode(CODECS[socket].encode(msg))
     assert isinstance(raw, list)
     if socket not in ("outputs", "kv_events"):  # tagged unions: the tag is the first element
@@ -293,10 +296,28 @@ def test_kv_event_kinds_survive():
     codec = CODECS["kv_events"]
     batch = dict((s[1], s[2]) for s in SAMPLES)["kv-events-all-kinds"]
     decoded = codec.decode(codec.encode(batch))
-    assert [type(e) for e in decoded.events] == [BlockStored, BlockStored, BlockRemoved, BlockRemoved, AllBlocksCleared]
-    assert decoded.events[0].parent_block_hash is None
-    assert decoded.events[1].parent_block_hash == b"\x02" * 8 and decoded.events[1].group_id == 1
-    assert decoded.events[2].group_id == 0
+    assert [type(e) for e in decoded.events] == [BlockStored] * 3 + [BlockRemoved] * 2 + [AllBlocksCleared]
+    assert decoded.events[0].parent_block_hash is None and decoded.events[0].block_hashes == [2**64 - 1, 2]
+    assert decoded.events[0].extra_keys == [("salt",), None]
+    assert decoded.events[1].parent_block_hash == 2 and decoded.events[1].group_idx == 1
+    assert decoded.events[1].kv_cache_spec_sliding_window == 4096
+    assert decoded.events[2].block_hashes == [b"\x04" * 32] and decoded.events[2].group_idx is None
+    assert decoded.events[3].group_idx == 0
+
+
+def test_kv_events_are_vllm_shaped():
+    """The batch is an array [ts, events, rank]; each event a map tagged "type", defaults left out."""
+    batch = dict((s[1], s[2]) for s in SAMPLES)["kv-events-all-kinds"]
+    ts, events, rank = msgspec.msgpack.decode(CODECS["kv_events"].encode(batch))
+    assert (ts, rank) == (99.0, 0)
+    assert list(events[1]) == ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                               "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+                               "kv_cache_spec_sliding_window"]
+    assert list(events[2]) == ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                               "medium", "lora_name"]
+    assert events[3] == {"type": "BlockRemoved", "block_hashes": [2**64 - 1], "medium": "GPU", "group_idx": 0}
+    assert events[5] == {"type": "AllBlocksCleared"}
+    assert msgspec.msgpack.decode(CODECS["kv_events"].encode(KVEventBatch(1.5, []))) == [1.5, [], None]  # arrays keep all
 
 
 def test_codec_is_reusable_after_an_error():
@@ -445,7 +466,7 @@ GARBAGE = [
     b"\x91" * 100_000 + b"\x90",  # very deep nesting
     msgspec.msgpack.encode(msgspec.msgpack.Ext(1, b"payload")),
     msgspec.msgpack.encode([msgspec.msgpack.Ext(-1, b"\x00" * 4)]),  # timestamp ext
-    "EngineCoreRequest".encode(),
+    b"EngineCoreRequest",
 ]
 
 
@@ -490,6 +511,9 @@ def test_random_msgpack_values_never_escape_as_another_exception(socket, value):
 
 # Forged messages: right shape, wrong field types (or missing fields, or unknown tags).
 _SP = []  # SamplingParams with every field at its default
+STORED = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1], "block_size": 1,
+          "lora_id": None, "medium": "GPU", "lora_name": None}
+
 WRONG_TYPES = [
     ("client", "request_id-int", ["EngineCoreRequest", 7, [1], _SP, 0.0]),
     ("client", "token-str", ["EngineCoreRequest", "r", ["a"], _SP, 0.0]),
@@ -534,12 +558,15 @@ WRONG_TYPES = [
     ("worker_to_engine", "runner-flat-tokens", ["ModelRunnerOutput", 1, ["a"], [1]]),
     ("worker_to_engine", "runner-token-none", ["ModelRunnerOutput", 1, ["a"], [[None]]]),
     ("worker_to_engine", "error-message-none", ["WorkerError", 0, None]),
-    ("kv_events", "hash-str", [1, 0.0, [["BlockStored", ["h"], None, [1], 16]]]),
-    ("kv_events", "parent-str", [1, 0.0, [["BlockStored", [b"h"], "p", [1], 16]]]),
-    ("kv_events", "unknown-event", [1, 0.0, [["BlockEvicted", [b"h"]]]]),
-    ("kv_events", "removed-missing-hashes", [1, 0.0, [["BlockRemoved"]]]),
-    ("kv_events", "seq-float", [1.5, 0.0, []]),
-    ("kv_events", "events-not-list", [1, 0.0, ["AllBlocksCleared"]]),
+    ("kv_events", "hash-str", [0.0, [{**STORED, "block_hashes": ["h"]}]]),
+    ("kv_events", "parent-str", [0.0, [{**STORED, "parent_block_hash": "p"}]]),
+    ("kv_events", "stored-missing-lora-id", [0.0, [{k: v for k, v in STORED.items() if k != "lora_id"}]]),
+    ("kv_events", "unknown-event", [0.0, [{"type": "BlockEvicted", "block_hashes": [1]}]]),
+    ("kv_events", "removed-missing-medium", [0.0, [{"type": "BlockRemoved", "block_hashes": [1]}]]),
+    ("kv_events", "event-as-array", [0.0, [["BlockRemoved", [1], "GPU"]]]),
+    ("kv_events", "ts-str", ["0.0", []]),
+    ("kv_events", "events-not-list", [0.0, {"type": "AllBlocksCleared"}]),
+    ("kv_events", "rank-str", [0.0, [], "0"]),
 ]
 
 
