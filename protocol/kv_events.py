@@ -10,6 +10,7 @@ What kvengine puts in them:
   block hashes  ints, the low 64 bits of the ledger's digest read big-endian (external_block_hash):
                 what vLLM sends by default; its schema also allows the raw digest bytes
   group_idx     the ledger's KV cache group id, in vLLM's field for it
+  kv_cache_spec_kind, kv_cache_spec_sliding_window  the group's "full_attention", or "sliding_window" and its window
   medium        always MEDIUM_GPU: vLLM's name for the engine's own KV cache, also when kvengine runs on CPU
   lora_id, lora_name  None: kvengine has no LoRA
   extra_keys    per stored block, the extra keys hashed into it: (cache_salt,) on a request's first block
