@@ -19,11 +19,11 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine_core.config import SchedulerConfig  # noqa: E402
+from protocol.config import engine_config  # noqa: E402
 from engine_core.core import EngineCore  # noqa: E402
 from engine_core.reference_executor import ReferenceExecutor  # noqa: E402
-from launch.executor import MultiprocExecutor  # noqa: E402
-from launch.worker_config import WorkerConfig  # noqa: E402
+from launch.multiproc_executor import MultiprocExecutor  # noqa: E402
+from launch.worker_config import WorkerConfig, worker_configs  # noqa: E402
 from protocol import (  # noqa: E402
     EngineCoreRequest,
     FullAttentionSpec,
@@ -45,7 +45,7 @@ def instant_worker(config: WorkerConfig) -> None:
     sock.setsockopt(zmq.IDENTITY, f"rank{config.rank}".encode())
     sock.connect(config.engine_address)
     to_engine, from_engine = worker_to_engine_codec(), engine_to_worker_codec()
-    executor = ReferenceExecutor(available_kv_bytes=[config.kv_cache_memory_bytes], kv_cache_specs={"l0": SPEC})
+    executor = ReferenceExecutor(available_kv_bytes=[config.engine.kv_cache_memory_bytes_of(config.rank)], kv_cache_specs={"l0": SPEC})
     report = executor.determine_available_memory()[0]
     sock.send(to_engine.encode(msgspec.structs.replace(report, rank=config.rank)))
     while True:
@@ -68,10 +68,11 @@ def engine_steps(tp: int, running: int, steps: int, tmpdir: str) -> tuple[list[f
     ctx = zmq.Context()
     address = f"ipc://{tmpdir}/workers-{tp}.sock"
     blocks = running * 80
-    configs = [WorkerConfig(rank=r, tp_size=tp, engine_address=address, dist_init_method="",
-                            kv_cache_memory_bytes=blocks * SPEC.page_size_bytes) for r in range(tp)]
+    config = engine_config(max_model_len=4096, max_num_seqs=running, max_num_batched_tokens=8192,
+                           tensor_parallel_size=tp, kv_cache_memory_bytes=[blocks * SPEC.page_size_bytes])
+    configs = worker_configs(config, address, "")
     executor = MultiprocExecutor(ctx, address, configs, entry=(sys.executable, os.path.abspath(__file__), "--worker"))
-    core = EngineCore(SchedulerConfig(max_model_len=4096, max_num_seqs=running, max_num_batched_tokens=8192), executor)
+    core = EngineCore(config, executor)
     params = SamplingParams(max_tokens=steps + 200, temperature=0.0, ignore_eos=True)
     for i in range(running):
         core.add_request(EngineCoreRequest(f"r{i}", [(i * 7 + j) % 1000 for j in range(200)], params, 0.0))

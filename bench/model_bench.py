@@ -19,11 +19,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine_core.config import SchedulerConfig  # noqa: E402
+from protocol.config import engine_config  # noqa: E402
 from engine_core.core import EngineCore  # noqa: E402
 from protocol import EngineCoreRequest, SamplingParams  # noqa: E402
 from worker.attention import DECODE_CHUNK_BYTES, GatherBuffer, StepRequests, build_metadata, paged_attention  # noqa: E402
-from worker.executor import InProcExecutor  # noqa: E402
+from worker.inproc_executor import InProcExecutor  # noqa: E402
 from worker.model.tiny import write_model  # noqa: E402
 
 MODELS = {
@@ -54,16 +54,9 @@ def progress(msg: str) -> None:
 
 
 def make_engine(folder, device, max_model_len=1536, max_num_seqs=64, kv_bytes=2 << 30) -> EngineCore:
-    executor = InProcExecutor(
-        model=str(folder),
-        device=device,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=2048,
-        kv_cache_memory_bytes=kv_bytes,
-    )
-    config = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
-    return EngineCore(config, executor)
+    config = engine_config(model=str(folder), device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                           kv_cache_memory_bytes=[kv_bytes])
+    return EngineCore(config, InProcExecutor(config))
 
 
 def engine_generate(engine: EngineCore, prompts, out_lens) -> tuple[float, int]:

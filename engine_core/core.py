@@ -1,11 +1,11 @@
 """EngineCore: start-up sizing, then schedule -> execute -> update, one step at a time."""
 
-import dataclasses
 import logging
 import time
 
-from engine_core.config import SchedulerConfig
-from engine_core.executor import Executor
+import msgspec
+
+from engine_core.executor_interface import Executor
 from engine_core.kv_cache.planning import GiB, KVCacheSizingError, capacity_line, get_kv_cache_config
 from engine_core.scheduler import Scheduler
 from protocol import (
@@ -17,51 +17,62 @@ from protocol import (
     SchedulerStats,
     WorkerKVReport,
 )
+from protocol.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
 
-def plan_kv_cache(config: SchedulerConfig, reports: list[WorkerKVReport]) -> tuple[SchedulerConfig, KVCacheConfig]:
+def plan_kv_cache(config: EngineConfig, reports: list[WorkerKVReport]) -> tuple[int, KVCacheConfig]:
     """Resolve max_model_len and size the cache: the minimum block count across ranks."""
     specs = reports[0].kv_cache_specs
     for report in reports[1:]:
         if report.kv_cache_specs != specs:
             raise KVCacheSizingError(f"rank {report.rank} reports other KV cache specs than rank 0")
     max_positions = min(r.max_position_embeddings for r in reports)
-    if config.max_model_len is None:
-        config = dataclasses.replace(config, max_model_len=max_positions)
-    elif config.max_model_len > max_positions:
+    max_model_len = config.model.max_model_len or max_positions
+    if max_model_len > max_positions:
         raise KVCacheSizingError(
-            f"--max-model-len {config.max_model_len} exceeds the model's max_position_embeddings ({max_positions})"
+            f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings ({max_positions})"
         )
+    budget = config.scheduler.max_num_batched_tokens
+    if max_model_len > budget and not config.scheduler.enable_chunked_prefill:
+        raise KVCacheSizingError(
+            f"--max-model-len {max_model_len} is larger than --max-num-batched-tokens {budget} with chunked "
+            "prefill off: a sequence longer than one step's budget could never be scheduled; raise "
+            "--max-num-batched-tokens, lower --max-model-len or drop --no-enable-chunked-prefill"
+        )
+    override = config.cache.num_gpu_blocks_override
     for r in reports:
         logger.info("Rank %d can give the KV cache %.3f GiB (%s)", r.rank, r.available_kv_bytes / GiB, r.memory_detail)
     kv_cache_config = get_kv_cache_config(
         specs,
         [r.available_kv_bytes for r in reports],
-        config.max_model_len,
-        config.max_num_batched_tokens,
-        config.num_gpu_blocks_override,
+        max_model_len,
+        budget,
+        override,
     )
     logger.info(
         "KV cache: %d blocks of %d tokens in %d group(s) (minimum across %d rank(s)%s)",
         kv_cache_config.num_blocks,
-        config.block_size,
+        config.cache.block_size,
         len(kv_cache_config.kv_cache_groups),
         len(reports),
-        ", overridden by --num-gpu-blocks-override" if config.num_gpu_blocks_override else "",
+        ", overridden by --num-gpu-blocks-override" if override else "",
     )
-    logger.info(capacity_line(kv_cache_config, config.max_model_len, config.max_num_batched_tokens))
-    return config, kv_cache_config
+    logger.info(capacity_line(kv_cache_config, max_model_len, budget))
+    return max_model_len, kv_cache_config
 
 
 class EngineCore:
-    def __init__(self, config: SchedulerConfig, executor: Executor) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.executor = executor
         reports = executor.determine_available_memory()
-        self.config, self.kv_cache_config = plan_kv_cache(config, reports)
+        self.max_model_len, self.kv_cache_config = plan_kv_cache(config, reports)
+        self.config = msgspec.structs.replace(
+            config, model=msgspec.structs.replace(config.model, max_model_len=self.max_model_len))
         executor.initialize_kv_cache(self.kv_cache_config)
-        self.scheduler = Scheduler(self.config, self.kv_cache_config, reports[0].eos_token_ids, reports[0].vocab_size)
+        self.scheduler = Scheduler(self.config, self.kv_cache_config, self.max_model_len,
+                                   reports[0].eos_token_ids, reports[0].vocab_size)
         self._pending: list[EngineCoreOutput] = []  # rejections and aborts, sent with the next step
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -88,6 +99,10 @@ class EngineCore:
     def take_kv_events(self) -> list[KVCacheEvent]:
         """Ledger events since the last call (empty unless enable_kv_cache_events)."""
         return self.scheduler.kv_cache_manager.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (an AllBlocksCleared event); refused (False, logged) while blocks are in use."""
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

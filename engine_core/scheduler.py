@@ -2,6 +2,9 @@
 
 There are no prefill or decode phases. Each step every request gets as many of its uncomputed
 tokens as the budget allows, so long prompts are prefilled in chunks beside decoding requests.
+With long_prefill_token_threshold a request gets at most that many tokens a step, so one long
+prompt does not take the whole budget; with enable_chunked_prefill off a waiting request whose
+tokens do not fit the remaining budget is not split, and admissions stop until a later step.
 When a running request cannot get a block, the newest running request (or, with the priority
 policy, the least important) is preempted: its blocks are freed and it is recomputed later.
 """
@@ -9,12 +12,12 @@ policy, the least important) is preempted: its blocks are freed and it is recomp
 import logging
 from collections.abc import Iterable
 
-from engine_core.config import SchedulerConfig
 from engine_core.kv_cache.hashing import get_hash_fn, get_request_block_hasher
 from engine_core.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from engine_core.kv_cache.planning import blocks_per_request
 from engine_core.request import FINISH_REASON, Request, RequestStatus
 from engine_core.request_queue import make_request_queue
+from engine_core.safe_log import safe_for_log
 from protocol import (
     CachedRequestData,
     EngineCoreOutput,
@@ -26,6 +29,7 @@ from protocol import (
     SchedulerStats,
     block_ids_digest,
 )
+from protocol.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -33,31 +37,33 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(
         self,
-        config: SchedulerConfig,
+        config: EngineConfig,
         kv_cache_config: KVCacheConfig,
+        max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         vocab_size: int | None = None,
     ) -> None:
-        self.config = config
+        self.config = config.scheduler
+        self.max_model_len = max_model_len
         self.kv_cache_config = kv_cache_config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config,
-            max_model_len=config.max_model_len,
-            enable_caching=config.enable_prefix_caching,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            watermark=config.watermark,
+            max_model_len=max_model_len,
+            enable_caching=config.cache.enable_prefix_caching,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            watermark=config.scheduler.watermark,
             enable_kv_cache_events=config.enable_kv_cache_events,
         )
         self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self.block_hasher = (
-            get_request_block_hasher(self.block_size, get_hash_fn(config.prefix_cache_hash))
-            if config.enable_prefix_caching
+            get_request_block_hasher(self.block_size, get_hash_fn(config.cache.prefix_caching_hash_algo))
+            if config.cache.enable_prefix_caching
             else None
         )
         self.requests: dict[str, Request] = {}
-        self.waiting = make_request_queue(config.scheduling_policy)
+        self.waiting = make_request_queue(config.scheduler.scheduling_policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last step, for the workers
         self.step = 0
@@ -72,7 +78,7 @@ class Scheduler:
         """Queue a request, or return its error output if it can never run."""
         error = self._validate(req)
         if error is not None:
-            logger.warning("Rejected request %s: %s", req.request_id, error)
+            logger.warning("Rejected request %s: %s", safe_for_log(req.request_id), error)
             return EngineCoreOutput(req.request_id, [], finish_reason="error", error=error)
         request = Request(
             req.request_id,
@@ -93,11 +99,11 @@ class Scheduler:
         num_prompt = len(req.prompt_token_ids)
         if num_prompt == 0:
             return "the prompt is empty"
-        if num_prompt > self.config.max_model_len:
-            return f"the prompt has {num_prompt} tokens, more than max_model_len={self.config.max_model_len}"
+        if num_prompt > self.max_model_len:
+            return f"the prompt has {num_prompt} tokens, more than max_model_len={self.max_model_len}"
         if self.vocab_size is not None and not (min(req.prompt_token_ids) >= 0 and max(req.prompt_token_ids) < self.vocab_size):
             return f"the prompt has token ids outside the vocabulary [0, {self.vocab_size})"
-        full_len = min(num_prompt + req.sampling_params.max_tokens, self.config.max_model_len)
+        full_len = min(num_prompt + req.sampling_params.max_tokens, self.max_model_len)
         needed = blocks_per_request(self.kv_cache_config.kv_cache_groups, full_len, self.config.max_num_batched_tokens)
         if needed > self.num_usable_blocks:
             return (
@@ -144,7 +150,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new_tokens = min(self._cap_long_prefill(request.num_tokens - request.num_computed_tokens), budget)
             if num_new_tokens <= 0:
                 i += 1
                 continue
@@ -174,7 +180,10 @@ class Scheduler:
         while not preempted and len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
+            num_new_tokens = self._cap_long_prefill(request.num_tokens - num_hit_tokens)
+            if not self.config.enable_chunked_prefill and num_new_tokens > budget:
+                break  # not split: it stays at the head of the queue until a step has room for all of it
+            num_new_tokens = min(num_new_tokens, budget)
             blocks = self.kv_cache_manager.allocate_slots(
                 request,
                 num_new_tokens,
@@ -196,6 +205,10 @@ class Scheduler:
             budget -= num_new_tokens
 
         return self._make_output(scheduled_new, scheduled_running, new_blocks, num_scheduled_tokens, preempted)
+
+    def _cap_long_prefill(self, num_new_tokens: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        return threshold if 0 < threshold < num_new_tokens else num_new_tokens
 
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":
@@ -263,9 +276,9 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, finish requests that are done, and say what each client gets."""
-        sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
+        sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=False))
         outputs = []
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+        for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
@@ -288,9 +301,9 @@ class Scheduler:
         params = request.sampling_params
         for n, token in enumerate(token_ids, 1):
             request.append_output_token_ids([token])
-            if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            if token in request.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
                 return token_ids[:n], RequestStatus.FINISHED_STOPPED
-            if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
                 return token_ids[:n], RequestStatus.FINISHED_LENGTH_CAPPED
         return token_ids, None
 

@@ -24,7 +24,7 @@ PARENT_CHECK_MS = 500
 
 def main() -> int:
     config = msgspec.json.decode(sys.argv[1], type=WorkerConfig)
-    logging.basicConfig(level=config.log_level, format=f"%(asctime)s %(levelname)s [rank {config.rank}] %(message)s")
+    logging.basicConfig(level=config.engine.server.log_level, format=f"%(asctime)s %(levelname)s [rank {config.rank}] %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the engine core decides
     parent = os.getppid()
     ctx = zmq.Context()
@@ -40,7 +40,7 @@ def main() -> int:
         torch.set_num_threads(config.torch_threads)
         from worker.worker import Worker
 
-        worker = Worker(**config.worker_kwargs())
+        worker = Worker(config.engine, config.rank, config.dist_init_method)
         sock.send(to_engine.encode(worker.report_kv()))
         while True:
             if not sock.poll(PARENT_CHECK_MS):

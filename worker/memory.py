@@ -2,18 +2,17 @@
 
 CUDA: total * gpu_memory_utilization - weights - peak activation of a profile forward of
 max_num_batched_tokens tokens - memory outside torch's allocator. CPU has no device to profile:
-the budget is kv_cache_memory_bytes, or CPU_DEFAULT_SHARE of the RAM the OS reports available.
-An explicit kv_cache_memory_bytes skips profiling on either device.
+the default is room for max_num_seqs requests of max_model_len tokens, at most CPU_DEFAULT_SHARE
+of the RAM the OS reports available. An explicit kv_cache_memory_bytes skips both.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from protocol import kv_cache_spec
+from protocol.sizes import format_bytes
 
 CPU_DEFAULT_SHARE = 0.25
-GIB = 1 << 30
 
 
 @dataclass
@@ -25,38 +24,29 @@ class KVBudget:
 def cuda_budget(total: int, utilization: float, weights: int, peak_activation: int, non_torch: int) -> KVBudget:
     available = int(total * utilization) - weights - peak_activation - non_torch
     detail = (
-        f"total {total / GIB:.2f} GiB x gpu_memory_utilization {utilization} - weights {weights / GIB:.2f} GiB"
-        f" - peak activation {peak_activation / GIB:.2f} GiB - non-torch {non_torch / GIB:.2f} GiB"
-        f" = {available / GIB:.2f} GiB for the KV cache"
+        f"total {format_bytes(total)} x gpu_memory_utilization {utilization} - weights {format_bytes(weights)}"
+        f" - peak activation {format_bytes(peak_activation)} - non-torch {format_bytes(non_torch)}"
+        f" = {format_bytes(available)} for the KV cache"
     )
     return KVBudget(available, detail)
 
 
-def cpu_budget(mem_available: int, share: float = CPU_DEFAULT_SHARE) -> KVBudget:
-    available = int(mem_available * share)
-    detail = (
-        f"CPU: no --kv-cache-memory-bytes, using {share:.0%} of available RAM "
-        f"({mem_available / GIB:.2f} GiB) = {available / GIB:.2f} GiB for the KV cache"
-    )
-    return KVBudget(available, detail)
+def cpu_budget(
+    mem_available: int, max_num_seqs: int, max_model_len: int, blocks_per_request: int, block_bytes: int
+) -> KVBudget:
+    """Room for max_num_seqs requests of max_model_len tokens (and the null block), capped by a RAM share."""
+    wanted = (max_num_seqs * blocks_per_request + 1) * block_bytes
+    cap = int(mem_available * CPU_DEFAULT_SHARE)
+    room = f"CPU default: room for {max_num_seqs:,} requests of {max_model_len:,} tokens"
+    share = f"{CPU_DEFAULT_SHARE:.0%} of available RAM"
+    if wanted <= cap:
+        return KVBudget(wanted, f"{room} = {format_bytes(wanted)} (under the cap of {share}, {format_bytes(cap)})")
+    return KVBudget(cap, f"{room} would need {format_bytes(wanted)}: capped at {share}, {format_bytes(cap)}")
 
 
 def explicit_budget(kv_cache_memory_bytes: int) -> KVBudget:
-    return KVBudget(kv_cache_memory_bytes, f"--kv-cache-memory-bytes {kv_cache_memory_bytes} (profiling skipped)")
-
-
-def bytes_per_block(specs: list) -> int:
-    """A block's bytes under the grouping rule the engine core plans with."""
-    return kv_cache_spec.bytes_per_block(kv_cache_spec.group_layers({str(i): s for i, s in enumerate(specs)}))
-
-
-def check_fits_one_block(budget: KVBudget, bytes_per_block: int) -> None:
-    if budget.available_bytes < bytes_per_block:
-        raise MemoryError(
-            f"No available memory for the cache blocks: one block needs {bytes_per_block} bytes but the budget is "
-            f"{budget.available_bytes} bytes ({budget.detail}); lower the model size or max_num_batched_tokens, "
-            f"or raise gpu_memory_utilization / kv_cache_memory_bytes"
-        )
+    detail = f"--kv-cache-memory-bytes {format_bytes(kv_cache_memory_bytes)} (profiling skipped)"
+    return KVBudget(kv_cache_memory_bytes, detail)
 
 
 def mem_available_bytes() -> int:

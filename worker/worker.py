@@ -1,7 +1,6 @@
 """One worker rank: loads its model shard, sizes the KV cache, executes SchedulerOutputs."""
 
 import logging
-import math
 
 import torch
 
@@ -10,6 +9,7 @@ from protocol import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    KVCacheSpec,
     ModelRunnerOutput,
     NewRequestData,
     SamplingParams,
@@ -18,6 +18,9 @@ from protocol import (
     WorkerKVReport,
     WorkerReady,
 )
+from protocol.config import EngineConfig
+from protocol.kv_cache_spec import blocks_per_request, bytes_per_block, check_fits_one_block, group_layers
+from protocol.sizes import cdiv
 from worker import memory
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_model
@@ -38,44 +41,44 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def _check_cuda_build() -> None:
+    """--device cuda needs a CUDA build of torch; say so before anything touches torch.cuda."""
+    if not torch.backends.cuda.is_built():
+        raise ValueError(
+            f"--device cuda: this torch build has no CUDA (torch {torch.__version__}); "
+            "install a CUDA build of torch or use --device cpu"
+        )
+
+
 class Worker:
-    def __init__(
-        self,
-        rank: int = 0,
-        tp_size: int = 1,
-        model: str | None = None,
-        device: str = "cpu",
-        dtype: str = "auto",
-        block_size: int = 16,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.92,
-        check_block_tables: bool = False,
-        dist_init_method: str | None = None,
-    ):
+    def __init__(self, config: EngineConfig, rank: int = 0, dist_init_method: str | None = None):
+        tp_size = config.parallel.tensor_parallel_size
         if not 0 <= rank < tp_size:
             raise ValueError(f"rank {rank} is outside tensor parallel size {tp_size}")
-        self.device = torch.device(f"cuda:{rank}" if device == "cuda" else device)
+        self.config, self.rank = config, rank
+        if config.parallel.device == "cuda":
+            _check_cuda_build()
+        self.device = torch.device(f"cuda:{rank}" if config.parallel.device == "cuda" else config.parallel.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.dtype = _resolve_dtype(dtype, self.device)
-        self.rank, self.block_size = rank, block_size
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.kv_cache_memory_bytes, self.gpu_memory_utilization = kv_cache_memory_bytes, gpu_memory_utilization
-        cfg, weights = load_model(model, tp_size)
-        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        self.dtype = _resolve_dtype(config.model.dtype, self.device)
+        self.block_size = config.cache.block_size
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
+        self.kv_cache_memory_bytes = config.kv_cache_memory_bytes_of(rank)
+        cfg, weights = load_model(config.model.model, tp_size)
+        self.max_model_len = config.model.max_model_len or cfg.max_position_embeddings
         self.tp = TPGroup.init(rank, tp_size, self.device, dist_init_method)
         weights_before = self._allocated()
         self.model = LlamaModel(cfg, weights, self.tp, self.max_model_len, self.dtype, self.device)
         self.weights_bytes = self._allocated() - weights_before
-        self.runner = ModelRunner(self.model, max_num_seqs, self.max_model_len, check_block_tables)
+        self.runner = ModelRunner(self.model, config.scheduler.max_num_seqs, self.max_model_len,
+                                  config.scheduler.check_block_tables)
 
     def _allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
 
-    def kv_cache_specs(self) -> dict:
+    def kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        """Layer name -> spec; the names are the runner's, which maps them back to layers by its own dict."""
         m = self.model
         common = dict(
             block_size=self.block_size,
@@ -84,16 +87,16 @@ class Worker:
             dtype_bytes=torch.finfo(self.dtype).bits // 8,
         )
         return {
-            f"model.layers.{i}.self_attn": (
-                FullAttentionSpec(**common) if w is None else SlidingWindowSpec(**common, sliding_window=w)
-            )
-            for i, w in enumerate(m.cfg.layer_sliding_windows)
+            name: FullAttentionSpec(**common) if w is None else SlidingWindowSpec(**common, sliding_window=w)
+            for name, w in zip(self.runner.layer_names, m.cfg.layer_sliding_windows, strict=True)
         }
 
     def report_kv(self) -> WorkerKVReport:
         specs = self.kv_cache_specs()
-        budget = self._budget()
-        memory.check_fits_one_block(budget, memory.bytes_per_block(list(specs.values())))
+        groups = group_layers(specs)  # as the engine core will group them
+        block_bytes = bytes_per_block(groups)
+        budget = self._budget(groups, block_bytes)
+        check_fits_one_block(budget.available_bytes, block_bytes, budget.detail)
         log.info("rank %d KV cache budget: %s", self.rank, budget.detail)
         return WorkerKVReport(
             rank=self.rank,
@@ -105,19 +108,23 @@ class Worker:
             memory_detail=budget.detail,
         )
 
-    def _budget(self) -> memory.KVBudget:
+    def _budget(self, groups: list[KVCacheGroupSpec], block_bytes: int) -> memory.KVBudget:
         if self.kv_cache_memory_bytes is not None:
             return memory.explicit_budget(self.kv_cache_memory_bytes)
         if self.device.type != "cuda":
-            return memory.cpu_budget(memory.mem_available_bytes())
-        return memory.profile_cuda(self.device, self.gpu_memory_utilization, self.weights_bytes, self.profile_run)
+            max_num_seqs = self.config.scheduler.max_num_seqs
+            request_blocks = blocks_per_request(groups, self.max_model_len, self.max_num_batched_tokens)
+            return memory.cpu_budget(
+                memory.mem_available_bytes(), max_num_seqs, self.max_model_len, request_blocks, block_bytes
+            )
+        return memory.profile_cuda(self.device, self.config.cache.gpu_memory_utilization, self.weights_bytes, self.profile_run)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
         """A forward of max_num_batched_tokens tokens (requests of at most max_model_len) on a scratch cache."""
         total, per_req = self.max_num_batched_tokens, min(self.max_model_len, self.max_num_batched_tokens)
         lengths = [per_req] * (total // per_req) + ([total % per_req] if total % per_req else [])
-        blocks_per_req = [math.ceil(n / self.block_size) for n in lengths]
+        blocks_per_req = [cdiv(n, self.block_size) for n in lengths]
         groups = [KVCacheGroupSpec([name], spec) for name, spec in self.kv_cache_specs().items()]
         scratch = ModelRunner(self.model, len(lengths), self.max_model_len, False)
         scratch.init_kv_cache(KVCacheConfig(sum(blocks_per_req) + 1, groups), self.dtype, self.device)

@@ -1,17 +1,16 @@
 """The same engine in one process (EngineCore + InProcExecutor): the reference for e2e token checks."""
 
-from engine_core.config import SchedulerConfig
 from engine_core.core import EngineCore
 from protocol import EngineCoreRequest, SamplingParams
-from worker.executor import InProcExecutor
+from protocol.config import engine_config
+from worker.inproc_executor import InProcExecutor
 
 
 def in_process_greedy(prompts: list[list[int]], params: SamplingParams, max_model_len: int = 512,
                       kv_cache_memory_bytes: int = 8 << 20, model: str | None = None) -> list[list[int]]:
-    config = SchedulerConfig(max_model_len=max_model_len, check_block_tables=True)
-    executor = InProcExecutor(model=model, max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
-                              kv_cache_memory_bytes=kv_cache_memory_bytes, check_block_tables=True)
-    core = EngineCore(config, executor)
+    config = engine_config(model=model, max_model_len=max_model_len, check_block_tables=True,
+                           kv_cache_memory_bytes=[kv_cache_memory_bytes])
+    core = EngineCore(config, InProcExecutor(config))
     try:
         for i, prompt in enumerate(prompts):
             core.add_request(EngineCoreRequest(str(i), prompt, params, 0.0))

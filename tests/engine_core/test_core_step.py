@@ -2,10 +2,10 @@
 
 import pytest
 
-from engine_core.config import SchedulerConfig
 from engine_core.core import EngineCore
 from engine_core.kv_cache.planning import KVCacheSizingError
 from protocol import FullAttentionSpec, SlidingWindowSpec
+from protocol.config import engine_config
 from protocol.codec import engine_to_worker_codec, outputs_codec
 from test_scheduler_support import (
     SPEC,
@@ -24,7 +24,7 @@ from test_scheduler_support import (
 def test_start_up_takes_the_minimum_block_count_across_ranks():
     page = SPEC.page_size_bytes
     ex = RecordingExecutor(available_kv_bytes=[300 * page + 7, 120 * page, 500 * page], kv_cache_specs={"l": SPEC})
-    core = EngineCore(SchedulerConfig(max_model_len=512), ex)
+    core = EngineCore(engine_config(max_model_len=512), ex)
     assert core.kv_cache_config.num_blocks == 120
     assert ex.kv_cache_config == core.kv_cache_config  # the executor got the final config
     assert core.scheduler.kv_cache_manager.get_num_free_blocks() == 119
@@ -32,11 +32,11 @@ def test_start_up_takes_the_minimum_block_count_across_ranks():
 
 def test_start_up_resolves_and_checks_max_model_len():
     ex = RecordingExecutor(kv_cache_specs={"l": SPEC}, max_position_embeddings=2048)
-    assert EngineCore(SchedulerConfig(), ex).config.max_model_len == 2048
+    assert EngineCore(engine_config(), ex).max_model_len == 2048
     with pytest.raises(KVCacheSizingError, match="max_position_embeddings"):
-        EngineCore(SchedulerConfig(max_model_len=4096), RecordingExecutor(max_position_embeddings=2048))
+        EngineCore(engine_config(max_model_len=4096), RecordingExecutor(max_position_embeddings=2048))
     with pytest.raises(KVCacheSizingError, match="estimated maximum model length is 160"):
-        EngineCore(SchedulerConfig(max_model_len=1024, num_gpu_blocks_override=11), RecordingExecutor())
+        EngineCore(engine_config(max_model_len=1024, num_gpu_blocks_override=11), RecordingExecutor())
 
 
 # ---- empty steps ----------------------------------------------------------------------------
@@ -176,7 +176,7 @@ def test_the_engine_core_never_imports_torch():
     import sys
     from pathlib import Path
 
-    code = ("import sys, engine_core.core, engine_core.scheduler, engine_core.simulate, engine_core.reference_executor; "
+    code = ("import sys, engine_core.core, engine_core.scheduler, engine_core.reference_executor; "
             "sys.exit('torch' in sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
 

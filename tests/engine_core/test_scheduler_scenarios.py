@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from engine_core.config import SchedulerConfig
 from engine_core.scheduler import Scheduler
+from protocol.config import engine_config
 from protocol import KVCacheConfig, KVCacheGroupSpec, ModelRunnerOutput
 from test_scheduler_support import (
     BLOCK_SIZE,
@@ -411,7 +411,7 @@ def test_prompt_of_exactly_max_model_len_is_accepted():
 def test_request_larger_than_the_whole_cache_is_rejected():
     # EngineCore refuses a max_model_len the cache cannot hold, so build the scheduler directly.
     kv = KVCacheConfig(num_blocks=11, kv_cache_groups=[KVCacheGroupSpec(["layer.0"], SPEC)])  # 10 usable
-    sched = Scheduler(SchedulerConfig(max_model_len=1000, max_num_batched_tokens=64), kv, vocab_size=VOCAB)
+    sched = Scheduler(engine_config(max_num_batched_tokens=64), kv, 1000, vocab_size=VOCAB)
 
     ok = sched.add_request(make_request("fits", prompt_of(1, 100), max_tokens=60))  # 160 tokens = 10 blocks
     big = sched.add_request(make_request("big", prompt_of(2, 100), max_tokens=61))  # 161 tokens = 11 blocks
@@ -446,7 +446,7 @@ def _sample_all(so, sched) -> ModelRunnerOutput:
 
 def test_empty_schedule_is_valid():
     kv = KVCacheConfig(num_blocks=20, kv_cache_groups=[KVCacheGroupSpec(["layer.0"], SPEC)])
-    sched = Scheduler(SchedulerConfig(max_model_len=128), kv, vocab_size=VOCAB)
+    sched = Scheduler(engine_config(), kv, 128, vocab_size=VOCAB)
     so = sched.schedule()
     assert so.total_num_scheduled_tokens == 0 and not so.num_scheduled_tokens and not so.scheduled_new_reqs
     assert sched.update_from_output(so, ModelRunnerOutput(so.step, [], [])) == []

@@ -4,9 +4,9 @@ Everything runs through the real EngineCore and the real ReferenceExecutor (with
 digest check on); RecordingExecutor only keeps a copy of every SchedulerOutput it is handed.
 """
 
-from engine_core.config import SchedulerConfig
 from engine_core.core import EngineCore
 from engine_core.reference_executor import ReferenceExecutor, reference_next_token
+from protocol.config import engine_config
 from protocol import EngineCoreOutput, EngineCoreRequest, FullAttentionSpec, SamplingParams, SchedulerOutput
 
 BLOCK_SIZE = 16
@@ -55,7 +55,7 @@ def make_core(
         eos_token_ids=eos_token_ids,
         max_position_embeddings=max(max_model_len, 4096),
     )
-    config = SchedulerConfig(
+    config = engine_config(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
@@ -143,7 +143,7 @@ class Results:
 
 def check_step_limits(core: EngineCore, so: SchedulerOutput) -> None:
     """Token budget, max_num_seqs and the output's own bookkeeping, for one SchedulerOutput."""
-    config = core.config
+    config = core.config.scheduler
     assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
     assert so.total_num_scheduled_tokens <= config.max_num_batched_tokens
     assert len(so.num_scheduled_tokens) <= config.max_num_seqs
@@ -163,7 +163,7 @@ def run(core: "RecordingEngineCore", executor: RecordingExecutor, max_steps: int
         if not core.has_work():
             break
         core.step()
-        assert len(core.scheduler.running) <= core.config.max_num_seqs
+        assert len(core.scheduler.running) <= core.config.scheduler.max_num_seqs
         for so in executor.outputs[seen:]:
             check_step_limits(core, so)
         seen = len(executor.outputs)

@@ -6,8 +6,9 @@ import textwrap
 import pytest
 import zmq
 
-from launch.executor import MultiprocExecutor, WorkerFailedError
-from launch.worker_config import WorkerConfig
+from launch.multiproc_executor import MultiprocExecutor, WorkerFailedError
+from launch.worker_config import WorkerConfig, worker_configs
+from protocol.config import engine_config
 
 # A worker that first sends garbage and an out-of-place message, then a valid KV report.
 NOISY_WORKER = textwrap.dedent("""
@@ -28,8 +29,7 @@ NOISY_WORKER = textwrap.dedent("""
 
 
 def configs(tmp_path, n: int) -> list[WorkerConfig]:
-    return [WorkerConfig(rank=r, tp_size=n, engine_address=f"ipc://{tmp_path}/w.sock", dist_init_method="")
-            for r in range(n)]
+    return worker_configs(engine_config(tensor_parallel_size=n), f"ipc://{tmp_path}/w.sock", "")
 
 
 def test_malformed_and_unexpected_worker_messages_are_dropped(tmp_path, caplog):

@@ -8,6 +8,7 @@ from tests.worker.harness import kv_config
 from worker.attention import StepRequests, build_metadata
 from worker.block_table import BlockTableMismatch, BlockTables
 from worker.worker import Worker
+from protocol.config import engine_config
 
 
 def test_overwrite_append_and_row_reuse():
@@ -65,7 +66,7 @@ def _new(req_id, blocks):
 
 
 def test_worker_fails_loudly_on_a_digest_mismatch():
-    w = Worker(max_model_len=64, kv_cache_memory_bytes=1 << 24, check_block_tables=True)
+    w = Worker(engine_config(max_model_len=64, kv_cache_memory_bytes=[1 << 24], check_block_tables=True))
     w.init_kv_cache(kv_config(w, 16))
     ok = SchedulerOutput(
         0,
@@ -90,7 +91,7 @@ def test_worker_fails_loudly_on_a_digest_mismatch():
 
 
 def test_check_mode_refuses_a_step_without_digests():
-    w = Worker(max_model_len=64, kv_cache_memory_bytes=1 << 24, check_block_tables=True)
+    w = Worker(engine_config(max_model_len=64, kv_cache_memory_bytes=[1 << 24], check_block_tables=True))
     w.init_kv_cache(kv_config(w, 16))
     with pytest.raises(BlockTableMismatch, match="without a digest"):
         w.execute_model(SchedulerOutput(0, [_new("a", [[1, 2]])], CachedRequestData(), {"a": 20}, 20))

