@@ -1,17 +1,23 @@
-"""The `kvengine` command: serve, generate, bench, events, simulate, make-model."""
+"""The `kvengine` command: one subcommand per module in launch/commands/."""
 
 import argparse
-import logging
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
-from launch.args import add_engine_args, serve_config_from_args
+from launch.commands.bench import add_bench_parser
+from launch.commands.events import add_events_parser
+from launch.commands.generate import add_generate_parser
+from launch.commands.make_model import add_make_model_parser
+from launch.commands.reset_prefix_cache import add_reset_prefix_cache_parser
+from launch.commands.serve import add_serve_parser
+from launch.commands.simulate import add_simulate_parser
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from launch.server import EngineServer
-
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return EngineServer(serve_config_from_args(args)).run()
+def kvengine_version() -> str:
+    try:
+        return version("kvengine")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,25 +26,11 @@ def main(argv: list[str] | None = None) -> int:
         description="An LLM engine core with a paged KV cache: one EngineCore process (scheduler + KV block "
                     "ledger) and one worker process per GPU, connected by ZeroMQ.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {kvengine_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    serve = sub.add_parser("serve", help="run the engine: an EngineCore process and one worker per rank",
-                           description="Serve requests over ZeroMQ. With no flags: the built-in tiny model on CPU.")
-    add_engine_args(serve)
-    serve.set_defaults(func=cmd_serve)
-
-    from launch.bench import add_bench_parser
-    from launch.events import add_events_parser
-    from launch.generate import add_generate_parser
-    from launch.make_model import add_make_model_parser
-    from launch.simulate import add_simulate_parser
-
-    add_generate_parser(sub)
-    add_bench_parser(sub)
-    add_simulate_parser(sub)
-    add_events_parser(sub)
-    add_make_model_parser(sub)
-
+    for add in (add_serve_parser, add_generate_parser, add_bench_parser, add_simulate_parser, add_events_parser,
+                add_reset_prefix_cache_parser, add_make_model_parser):
+        add(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

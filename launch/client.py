@@ -4,7 +4,9 @@
         async for out in client.generate([1, 2, 3], SamplingParams(max_tokens=8, temperature=0)):
             print(out.new_token_ids, out.finish_reason)
 
-Leaving the loop early (break, cancellation) aborts the request in the engine.
+Leaving the loop early (break, cancellation) aborts the request in the engine. Until the server
+has answered once, a call raises EngineDeadError after `connect_timeout` seconds without an answer
+(so a wrong address fails instead of hanging); afterwards a lost connection raises it.
 """
 
 import asyncio
@@ -18,14 +20,22 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from protocol import ProtocolError, EngineCoreAbort, EngineCoreGetStats, EngineCoreRequest, SamplingParams, SchedulerStats
+from protocol import (
+    EngineCoreAbort,
+    EngineCoreGetStats,
+    EngineCoreRequest,
+    EngineCoreResetPrefixCache,
+    ProtocolError,
+    SamplingParams,
+    SchedulerStats,
+)
 from protocol.codec import client_codec, outputs_codec
 
 logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The server went away with requests in flight."""
+    """The server went away with requests in flight, or none answered at the address."""
 
 
 @dataclass
@@ -42,10 +52,16 @@ class RequestOutput:
 
 
 class AsyncEngineClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, connect_timeout: float | None = 10.0) -> None:
+        """connect_timeout: until the server has answered once, a call that gets no answer within this many
+        seconds raises EngineDeadError (None: wait as long as it takes, e.g. while a server starts)."""
         self.address = address
+        self.connect_timeout = connect_timeout
+        self._seen = False
+        self._probe: asyncio.Task | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._stats_waiters: list[asyncio.Future] = []
+        self._reset_waiters: list[asyncio.Future] = []
         self._tasks: list[asyncio.Task] = []
         self._dead: str | None = None
         self._request_codec, self._outputs_codec = client_codec(), outputs_codec()
@@ -83,15 +99,15 @@ class AsyncEngineClient:
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last one has finish_reason set."""
-        self._check_alive()
+        await self._connect(self.connect_timeout)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight on this client")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        request = EngineCoreRequest(
+        request = EngineCoreRequest(  # raises ValueError for an id, prompt or priority out of bounds
             request_id, list(prompt_token_ids), sampling_params or SamplingParams(), time.time(), cache_salt, priority
         )
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
         finished = False
         try:
             await self._sock.send(self._request_codec.encode(request))
@@ -111,7 +127,8 @@ class AsyncEngineClient:
         """Abort from a finally block (a cancelled or abandoned stream): never blocks, never raises."""
         if self._dead is not None or self._sock.closed:
             return
-        sent = self._sock.send(self._request_codec.encode(EngineCoreAbort([request_id])), zmq.NOBLOCK)
+        abort = self._request_codec.encode(EngineCoreAbort([request_id]))
+        sent = asyncio.ensure_future(self._sock.send(abort, zmq.NOBLOCK))
         sent.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def abort(self, request_id: str) -> None:
@@ -119,18 +136,42 @@ class AsyncEngineClient:
 
     async def get_stats(self) -> SchedulerStats:
         """A snapshot of the engine core's counters; also a readiness check (answered once it serves)."""
+        await self._connect(self.connect_timeout)
+        return await self._request_stats()
+
+    async def _request_stats(self) -> SchedulerStats:
         self._check_alive()
         waiter = asyncio.get_running_loop().create_future()
         self._stats_waiters.append(waiter)
         await self._sock.send(self._request_codec.encode(EngineCoreGetStats()))
         return await waiter
 
-    async def wait_ready(self, timeout: float = 10.0) -> None:
-        """Raise EngineDeadError if no server answers at the address within timeout seconds."""
+    async def _connect(self, timeout: float | None) -> None:
+        """Until the server has answered once, wait up to timeout seconds for the answer to a stats probe.
+
+        A request's own first output is no proof of life: it may wait in the queue behind other clients' work."""
+        self._check_alive()
+        if self._seen:
+            return
+        if self._probe is None:
+            self._probe = asyncio.create_task(self._request_stats())
+            self._tasks.append(self._probe)
         try:
-            await asyncio.wait_for(self.get_stats(), timeout)
+            await asyncio.wait_for(asyncio.shield(self._probe), timeout)
         except asyncio.TimeoutError:
             raise EngineDeadError(f"no kvengine server answers at {self.address}") from None
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix in the engine; False if refused because requests hold blocks."""
+        await self._connect(self.connect_timeout)
+        waiter = asyncio.get_running_loop().create_future()
+        self._reset_waiters.append(waiter)
+        await self._sock.send(self._request_codec.encode(EngineCoreResetPrefixCache()))
+        return await waiter
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Raise EngineDeadError if no server answers within timeout seconds (default: connect_timeout)."""
+        await self._connect(self.connect_timeout if timeout is None else timeout)
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -138,8 +179,10 @@ class AsyncEngineClient:
 
     async def _read_outputs(self) -> None:
         while True:
+            message = await self._sock.recv()
+            self._seen = True
             try:
-                outputs = self._outputs_codec.decode(await self._sock.recv())
+                outputs = self._outputs_codec.decode(message)
             except ProtocolError as e:
                 logger.error("Dropped a malformed message from the server: %s", e)
                 continue
@@ -151,6 +194,8 @@ class AsyncEngineClient:
                     ))
             if outputs.stats is not None and self._stats_waiters:
                 self._stats_waiters.pop(0).set_result(outputs.stats)
+            if outputs.reset_prefix_cache is not None and self._reset_waiters:
+                self._reset_waiters.pop(0).set_result(outputs.reset_prefix_cache)
 
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
         """A dropped connection with requests in flight means the server is gone."""
@@ -165,10 +210,11 @@ class AsyncEngineClient:
         self._dead = message
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(message))
-        for waiter in self._stats_waiters:
+        for waiter in self._stats_waiters + self._reset_waiters:
             if not waiter.done():
                 waiter.set_exception(EngineDeadError(message))
         self._stats_waiters.clear()
+        self._reset_waiters.clear()
 
 
 def install_uvloop() -> None:

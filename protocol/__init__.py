@@ -14,6 +14,7 @@ from protocol.messages import (
     CachedRequestData,
     EngineCoreAbort,
     EngineCoreGetStats,
+    EngineCoreResetPrefixCache,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,

@@ -1,6 +1,7 @@
 """Every message that crosses a process boundary. Tagged unions let one decoder read one socket."""
 
-from typing import Literal
+import math
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -12,13 +13,32 @@ _struct = dict(array_like=True, omit_defaults=True)
 # ---- client -> engine core ------------------------------------------------------------------
 
 
+MAX_REQUEST_ID_LENGTH = 256
+# A protocol cap far above any max_model_len served here (the scheduler applies that one); a type bound,
+# so that decode refuses a longer prompt from the list header instead of building it first.
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_PRIORITY = 2**31 - 1
+
+
 class EngineCoreRequest(msgspec.Struct, tag=True, **_struct):
+    """Bounds are checked on construction and on decode (msgspec runs __post_init__ for both)."""
+
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
     sampling_params: SamplingParams
-    arrival_time: float
+    arrival_time: float  # seconds since the epoch: finite, >= 0
     cache_salt: str | None = None
-    priority: int = 0  # lower runs first under --scheduling-policy priority
+    priority: int = 0  # lower runs first under --scheduling-policy priority; within +-MAX_PRIORITY
+
+    def __post_init__(self) -> None:
+        if len(self.request_id) > MAX_REQUEST_ID_LENGTH:
+            raise ValueError(f"request_id has {len(self.request_id)} characters, more than {MAX_REQUEST_ID_LENGTH}")
+        if len(self.prompt_token_ids) > MAX_PROMPT_TOKENS:
+            raise ValueError(f"the prompt has {len(self.prompt_token_ids)} tokens, more than {MAX_PROMPT_TOKENS}")
+        if not 0.0 <= self.arrival_time < math.inf:
+            raise ValueError(f"arrival_time must be finite and >= 0, got {self.arrival_time!r}")
+        if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise ValueError(f"priority must be in [{-MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}")
 
 
 class EngineCoreAbort(msgspec.Struct, tag=True, **_struct):
@@ -29,7 +49,11 @@ class EngineCoreGetStats(msgspec.Struct, tag=True, **_struct):
     """Ask for a SchedulerStats snapshot; answered by an EngineCoreOutputs with no outputs."""
 
 
-ClientMessage = EngineCoreRequest | EngineCoreAbort | EngineCoreGetStats
+class EngineCoreResetPrefixCache(msgspec.Struct, tag=True, **_struct):
+    """Drop every cached prefix; refused while any block is in use. Answered with reset_prefix_cache set."""
+
+
+ClientMessage = EngineCoreRequest | EngineCoreAbort | EngineCoreGetStats | EngineCoreResetPrefixCache
 
 # ---- engine core -> client ------------------------------------------------------------------
 
@@ -66,6 +90,7 @@ class EngineCoreOutputs(msgspec.Struct, **_struct):
     outputs: list[EngineCoreOutput]
     timestamp: float = 0.0
     stats: SchedulerStats | None = None
+    reset_prefix_cache: bool | None = None  # the answer to EngineCoreResetPrefixCache: False = refused
 
 
 # ---- engine core -> workers -----------------------------------------------------------------
@@ -85,8 +110,8 @@ class NewRequestData(msgspec.Struct, **_struct):
 class CachedRequestData(msgspec.Struct, **_struct):
     """Running requests, column-wise: only newly appended block ids travel.
 
-    Blocks that left a sliding window are not sent either: both sides replace the blocks before
-    `max(0, num_computed_tokens - window + 1) // block_size` by the null block 0."""
+    Blocks that left a sliding window are not sent either: both sides put the null block 0 in the first
+    `kv_cache_spec.num_skipped_blocks(num_computed_tokens, window, block_size)` places of the table."""
 
     req_ids: list[str] = []
     new_block_ids: list[list[list[int]] | None] = []  # per request: per group, or None

@@ -9,22 +9,25 @@ import asyncio
 import contextlib
 import json
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from launch.args import add_engine_args, engine_flags_from_args
 from launch.client import AsyncEngineClient, EngineDeadError, install_uvloop
-from launch.local_server import LocalServer, ServerStartError
+from launch.config_args import add_config_args, config_from_args
+from launch.local_server import LOCAL_SERVER_AREAS, Interrupted, LocalServer, ServerStartError, run_until_signal
+from launch.percentiles import percentile
 from protocol import SamplingParams, SchedulerStats
+from protocol.config import EngineConfig
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="load-test a server and print throughput and latency",
-                       description="Without --connect, starts its own server with the engine flags below.")
+                       description="Without --connect, starts its own server with the engine flags below; that "
+                                   "server stops with this command, also when it is killed. SIGINT / SIGTERM: "
+                                   "one line and exit code 130 / 143.")
     p.add_argument("--connect", metavar="ADDRESS", default=None, help="address of a running `kvengine serve`")
     p.add_argument("--workload", choices=["random", "shared-prefix", "multi-turn"], default="random")
     p.add_argument("--num-prompts", type=int, default=64, help="requests (multi-turn: conversations)")
@@ -45,7 +48,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "(needs matplotlib: pip install 'kvengine[plot]')")
     p.add_argument("--stats-period", type=float, default=0.5, help="seconds between stats samples for --plot")
     p.add_argument("--server-log", default=None, help="write the started server's log here (default: stderr)")
-    add_engine_args(p)
+    add_config_args(p, LOCAL_SERVER_AREAS)
     p.set_defaults(func=cmd_bench)
 
 
@@ -68,7 +71,8 @@ def make_prompts(args: argparse.Namespace, rng: random.Random) -> list[list[int]
     return [tokens(args.input_len) for _ in range(args.num_prompts)]
 
 
-async def run_one(client: AsyncEngineClient, prompt: list[int], params: SamplingParams) -> tuple[RequestResult, list[int]]:
+async def run_one(client: AsyncEngineClient, prompt: list[int],
+                  params: SamplingParams) -> tuple[RequestResult, list[int]]:
     start = time.perf_counter()
     last = start
     result = RequestResult(ttft=0.0, latency=0.0, output_tokens=0, finish_reason=None)
@@ -108,22 +112,19 @@ async def drive(client: AsyncEngineClient, args: argparse.Namespace) -> tuple[li
 
     start = time.perf_counter()
     tasks = []
-    for prompt in make_prompts(args, rng):
-        tasks.append(asyncio.create_task(conversation(prompt)))
-        if args.request_rate != float("inf"):
-            await asyncio.sleep(rng.expovariate(args.request_rate))
-    await asyncio.gather(*tasks)
-    bar.close()
+    try:
+        for prompt in make_prompts(args, rng):
+            tasks.append(asyncio.create_task(conversation(prompt)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        await asyncio.gather(*tasks)
+    finally:
+        bar.close()
     return results, time.perf_counter() - start
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"p50": 0.0, "p90": 0.0, "p99": 0.0}
-    if len(values) == 1:
-        return {"p50": values[0], "p90": values[0], "p99": values[0]}
-    q = statistics.quantiles(values, n=100, method="inclusive")
-    return {"p50": q[49], "p90": q[89], "p99": q[98]}
+    return {f"p{q}": percentile(values, q) or 0.0 for q in (50, 90, 99)}
 
 
 def summarize(results: list[RequestResult], elapsed: float, before: SchedulerStats, after: SchedulerStats) -> dict:
@@ -169,33 +170,40 @@ async def sample_stats(client: AsyncEngineClient, period: float, samples: list[t
         await asyncio.sleep(period)
 
 
-async def _bench(args: argparse.Namespace) -> tuple[dict, list[tuple[float, SchedulerStats]]]:
-    server = contextlib.nullcontext() if args.connect else LocalServer(engine_flags_from_args(args), args.server_log)
+async def _bench(args: argparse.Namespace, config: EngineConfig) -> tuple[dict, list[tuple[float, SchedulerStats]]]:
+    server = contextlib.nullcontext() if args.connect else LocalServer(config, args.server_log)
     samples: list[tuple[float, SchedulerStats]] = []
-    async with server as local:
-        async with AsyncEngineClient(args.connect or local.address) as client:
-            await client.wait_ready()
-            before = await client.get_stats()
-            sampler = asyncio.create_task(sample_stats(client, args.stats_period, samples)) if args.plot else None
-            results, elapsed = await drive(client, args)
-            if sampler is not None:
-                sampler.cancel()
-                await asyncio.gather(sampler, return_exceptions=True)
-            after = await client.get_stats()
+    async with server as local, AsyncEngineClient(local.address if local else args.connect) as client:
+        await client.wait_ready()
+        before = await client.get_stats()
+        sampler = asyncio.create_task(sample_stats(client, args.stats_period, samples)) if args.plot else None
+        results, elapsed = await drive(client, args)
+        if sampler is not None:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
+        after = await client.get_stats()
     return summarize(results, elapsed, before, after), samples
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args, LOCAL_SERVER_AREAS)
+    except ValueError as e:
+        print(f"kvengine bench: {e}", file=sys.stderr)
+        return 2
     if args.plot:
         from launch.plot import check_matplotlib
 
         check_matplotlib()
     install_uvloop()
     try:
-        summary, samples = asyncio.run(_bench(args))
+        summary, samples = run_until_signal(_bench(args, config))
     except (EngineDeadError, ServerStartError) as e:
         print(f"kvengine bench: {e}", file=sys.stderr)
         return 1
+    except Interrupted as e:
+        print(f"kvengine bench: {e}", file=sys.stderr)
+        return e.exit_code
     if args.plot:
         from launch.plot import plot_run
 

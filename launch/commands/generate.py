@@ -6,15 +6,18 @@ import contextlib
 import re
 import sys
 
-from launch.args import add_engine_args, engine_flags_from_args
 from launch.client import AsyncEngineClient, EngineDeadError, install_uvloop
-from launch.local_server import LocalServer, ServerStartError
+from launch.config_args import add_config_args, config_from_args
+from launch.local_server import LOCAL_SERVER_AREAS, Interrupted, LocalServer, ServerStartError, run_until_signal
 from protocol import SamplingParams
+from protocol.config import EngineConfig
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate from token-id prompts (or text, with a GGUF model's tokenizer)",
-                       description="Without --connect, starts its own server with the engine flags below.")
+                       description="Without --connect, starts its own server with the engine flags below; that "
+                                   "server stops with this command, also when it is killed. SIGINT / SIGTERM: "
+                                   "one line and exit code 130 / 143.")
     p.add_argument("--connect", metavar="ADDRESS", default=None, help="address of a running `kvengine serve`")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-token-ids", action="append", metavar="IDS", type=parse_token_ids,
@@ -29,7 +32,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
-    add_engine_args(p)
+    add_config_args(p, LOCAL_SERVER_AREAS)
     p.set_defaults(func=cmd_generate)
 
 
@@ -44,14 +47,19 @@ def parse_token_ids(text: str) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args, LOCAL_SERVER_AREAS)
+    except ValueError as e:
+        print(f"kvengine generate: {e}", file=sys.stderr)
+        return 2
     tokenizer = None
     if args.prompt:
-        if not args.model:
+        if not config.model.model:
             print("kvengine generate: --prompt needs --model with a tokenizer (a GGUF file)", file=sys.stderr)
             return 2
         from worker.model.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(args.model)
+        tokenizer = load_tokenizer(config.model.model)
         prompts = [tokenizer.encode(text) for text in args.prompt]
     elif args.prompts_file:
         try:
@@ -66,16 +74,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
     install_uvloop()
     try:
-        return asyncio.run(_generate(args, prompts, params, tokenizer))
+        return run_until_signal(_generate(args, config, prompts, params, tokenizer))
     except (EngineDeadError, ServerStartError) as e:
         print(f"kvengine generate: {e}", file=sys.stderr)
         return 1
+    except Interrupted as e:
+        print(flush=True)  # end the line of streamed tokens
+        print(f"kvengine generate: {e}", file=sys.stderr)
+        return e.exit_code
 
 
-async def _generate(args: argparse.Namespace, prompts: list[list[int]], params: SamplingParams, tokenizer) -> int:
-    server = contextlib.nullcontext() if args.connect else LocalServer(engine_flags_from_args(args))
+async def _generate(args: argparse.Namespace, config: EngineConfig, prompts: list[list[int]], params: SamplingParams,
+                    tokenizer) -> int:
+    server = contextlib.nullcontext() if args.connect else LocalServer(config)
     async with server as local:
-        address = args.connect or local.address
+        address = local.address if local else args.connect
         async with AsyncEngineClient(address) as client:
             await client.wait_ready()
             results = await asyncio.gather(*(

@@ -1,0 +1,1 @@
+"""One module per `kvengine` command: each adds its subparser and runs it."""
