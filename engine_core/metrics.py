@@ -1,6 +1,7 @@
 """Prometheus metrics of the engine core, named after vLLM's where the meaning is the same."""
 
 import time
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -39,7 +40,7 @@ class EngineMetrics:
         self._last = SchedulerStats()
         self._arrival: dict[str, float] = {}
         self._last_token: dict[str, float] = {}
-        self.server = None
+        self.server: WSGIServer | None = None
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         self.server, _ = start_http_server(port, addr=host, registry=self.registry)

@@ -69,28 +69,30 @@ class ReferenceExecutor:
             self.block_tables[new.req_id] = [list(group) for group in new.block_ids]
             self.num_computed_tokens[new.req_id] = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
-        for req_id, new_ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+        columns = zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True)
+        for req_id, new_ids, computed in columns:
             if computed != self.num_computed_tokens[req_id]:
                 raise RuntimeError(f"{req_id}: engine says {computed} computed tokens, executor has "
                                    f"{self.num_computed_tokens[req_id]}")
             if new_ids is not None:
-                for table, ids in zip(self.block_tables[req_id], new_ids):
+                for table, ids in zip(self.block_tables[req_id], new_ids, strict=True):
                     table.extend(ids)
         self._null_out_of_window(so)
         if so.block_table_digests is not None:
             for req_id, digest in so.block_table_digests.items():
                 if block_ids_digest(self.block_tables[req_id]) != digest:
                     raise RuntimeError(f"block table of {req_id} differs from the ledger at step {so.step}")
-        req_ids, sampled = [], []
+        req_ids: list[str] = []
+        sampled: list[list[int]] = []
         for req_id, num_tokens in so.num_scheduled_tokens.items():
             tokens = self.token_ids[req_id]
             self.num_computed_tokens[req_id] += num_tokens
-            new = []
+            new_tokens = []
             if self.num_computed_tokens[req_id] == len(tokens):
-                new = [reference_next_token(tokens, self.vocab_size)]
-                tokens.extend(new)
+                new_tokens = [reference_next_token(tokens, self.vocab_size)]
+                tokens.extend(new_tokens)
             req_ids.append(req_id)
-            sampled.append(new)
+            sampled.append(new_tokens)
         return ModelRunnerOutput(step=so.step, req_ids=req_ids, sampled_token_ids=sampled)
 
     def _null_out_of_window(self, so: SchedulerOutput) -> None:
@@ -99,6 +101,8 @@ class ReferenceExecutor:
         The ledger drops them (remove_skipped_blocks) but only appended ids travel, so the worker
         derives the same rule from each scheduled request's computed tokens at the start of the step.
         """
+        if self.kv_cache_config is None:
+            raise RuntimeError("execute_model before initialize_kv_cache")
         for g, group in enumerate(self.kv_cache_config.kv_cache_groups):
             spec = group.kv_cache_spec
             if not isinstance(spec, SlidingWindowSpec):

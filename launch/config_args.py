@@ -86,7 +86,10 @@ def add_config_args(parser: argparse.ArgumentParser, areas: Iterable[str] = AREA
 def config_from_args(args: argparse.Namespace, areas: Iterable[str] = AREAS) -> EngineConfig:
     """The EngineConfig the flags describe; areas without flags keep their defaults. Raises ValueError."""
     values = vars(args)
-    built = {area: AREA_TYPES[area](**{f.name: values[f"{area}.{f.name}"] for f in _fields(area)}) for area in areas}
+    # Each area by its field name, of its field's type: a pairing mypy cannot follow through str keys.
+    built: dict[str, Any] = {
+        area: AREA_TYPES[area](**{f.name: values[f"{area}.{f.name}"] for f in _fields(area)}) for area in areas
+    }
     return EngineConfig(**built)
 
 

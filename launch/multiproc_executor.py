@@ -5,11 +5,13 @@ peer). While the workers compute, the wait loop also serves other sockets (the c
 decoding new requests overlaps the forward pass. A dead worker is noticed within one poll period.
 """
 
+import contextlib
 import logging
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import msgspec
 import zmq
@@ -27,9 +29,11 @@ from protocol import (
     WorkerReady,
 )
 from protocol.codec import engine_to_worker_codec, worker_to_engine_codec
+from protocol.messages import EngineToWorker
 
 logger = logging.getLogger(__name__)
 POLL_MS = 100
+M = TypeVar("M", WorkerKVReport, WorkerReady, ModelRunnerOutput)
 
 
 class WorkerFailedError(RuntimeError):
@@ -70,9 +74,9 @@ class MultiprocExecutor:
             if proc.poll() is not None:
                 raise WorkerFailedError(rank, f"died (exit code {proc.returncode})")
 
-    def _recv(self, wanted: type, ranks: set[int]) -> dict[int, msgspec.Struct]:
+    def _recv(self, wanted: type[M], ranks: set[int]) -> dict[int, M]:
         """Wait for one `wanted` message from each rank in ranks."""
-        got: dict[int, msgspec.Struct] = {}
+        got: dict[int, M] = {}
         while len(got) < len(ranks):
             events = dict(self.poller.poll(POLL_MS))
             for sock, handler in self.handlers.items():
@@ -101,7 +105,7 @@ class MultiprocExecutor:
                 logger.error("Dropped an unexpected %s from %r", type(msg).__name__, frames[0])
         return got
 
-    def _send_all(self, msg: msgspec.Struct) -> None:
+    def _send_all(self, msg: EngineToWorker) -> None:
         payload = self.encoder.encode(msg)
         for identity in self.identities:
             try:
@@ -128,10 +132,8 @@ class MultiprocExecutor:
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Ask every worker to exit, then terminate and finally kill any that do not."""
-        try:
+        with contextlib.suppress(WorkerFailedError):
             self._send_all(Shutdown())
-        except WorkerFailedError:
-            pass
         for proc in self.procs:
             try:
                 proc.wait(timeout)

@@ -1,6 +1,7 @@
 """Pictures of a run from sampled SchedulerStats (matplotlib is an optional dependency)."""
 
 import sys
+from itertools import pairwise
 
 from protocol import SchedulerStats
 
@@ -31,7 +32,7 @@ def plot_run(samples: list[tuple[float, SchedulerStats]], path: str, title: str)
     axes[1].set_ylabel("blocks")
     axes[2].plot(t, [s.num_running_reqs for s in stats], label="running")
     axes[2].plot(t, [s.num_waiting_reqs for s in stats], label="waiting")
-    preempt_t = [t1 for (t0, a), (t1, b) in zip(samples, samples[1:]) if b.num_preemptions > a.num_preemptions]
+    preempt_t = [t1 for (t0, a), (t1, b) in pairwise(samples) if b.num_preemptions > a.num_preemptions]
     for x in preempt_t:
         axes[2].axvline(x, color="red", alpha=0.3, linewidth=1)
     if preempt_t:
@@ -40,7 +41,7 @@ def plot_run(samples: list[tuple[float, SchedulerStats]], path: str, title: str)
     rates = [
         ((b.num_generation_tokens - a.num_generation_tokens) / (t1 - t0),
          (b.num_prompt_tokens - a.num_prompt_tokens) / (t1 - t0))
-        for (t0, a), (t1, b) in zip(samples, samples[1:])
+        for (t0, a), (t1, b) in pairwise(samples)
     ]
     axes[3].plot(t[1:], [r[0] for r in rates], label="generation")
     axes[3].plot(t[1:], [r[1] for r in rates], label="prompt")

@@ -61,7 +61,7 @@ def main() -> int:
                 sock.send(to_engine.encode(worker.init_kv_cache(msg.kv_cache_config)))
             elif isinstance(msg, Shutdown):
                 return 0
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 -- any failure is reported to the engine core before exiting
         logger.error("Worker failed: %s", e)
         sock.send(to_engine.encode(WorkerError(config.rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
         return 1

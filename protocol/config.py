@@ -6,7 +6,7 @@ struct as JSON. Ranges are checked when an `EngineConfig` is built or decoded, s
 at start-up with the field's path, wherever it came from.
 """
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -27,7 +27,7 @@ class _Area(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=Tru
     pass
 
 
-class ModelConfig(_Area):
+class ModelConfig(_Area, frozen=True):
     """model"""
 
     model: Annotated[str | None, setting(
@@ -39,7 +39,7 @@ class ModelConfig(_Area):
         "longest prompt + output in tokens; default: the model's max_position_embeddings")] = None
 
 
-class CacheConfig(_Area):
+class CacheConfig(_Area, frozen=True):
     """KV cache"""
 
     block_size: Annotated[PositiveInt, setting("tokens per KV block")] = DEFAULT_BLOCK_SIZE
@@ -56,7 +56,7 @@ class CacheConfig(_Area):
         "block hash: sha256 (cryptographic: cached prefixes are tenant data) or xxhash (faster)")] = "sha256"
 
 
-class SchedulerConfig(_Area):
+class SchedulerConfig(_Area, frozen=True):
     """scheduler"""
 
     max_num_seqs: Annotated[PositiveInt, setting("most running requests")] = 256
@@ -74,7 +74,7 @@ class SchedulerConfig(_Area):
         "every step carries a digest of each scheduled request's blocks; workers verify their tables")] = False
 
 
-class ParallelConfig(_Area):
+class ParallelConfig(_Area, frozen=True):
     """parallelism and devices"""
 
     tensor_parallel_size: Annotated[PositiveInt, setting(
@@ -82,7 +82,7 @@ class ParallelConfig(_Area):
     device: Annotated[Literal["cpu", "cuda"], setting("where the workers run")] = "cpu"
 
 
-class ServerConfig(_Area):
+class ServerConfig(_Area, frozen=True):
     """server and observability"""
 
     address: Annotated[str | None, setting(
@@ -143,7 +143,9 @@ def engine_config(**settings: object) -> EngineConfig:
         if area is None:
             raise TypeError(f"no engine setting named {name!r}")
         areas[area][name] = value
-    return EngineConfig(**{area: AREA_TYPES[area](**values) for area, values in areas.items()})
+    # Each area by its field name, of its field's type: a pairing mypy cannot follow through str keys.
+    built: dict[str, Any] = {area: AREA_TYPES[area](**values) for area, values in areas.items()}
+    return EngineConfig(**built)
 
 
 AREA_TYPES: dict[str, type[msgspec.Struct]] = {f.name: f.type for f in msgspec.structs.fields(EngineConfig)}

@@ -11,7 +11,7 @@ class KVCacheSizingError(ValueError):
     """Start-up cannot size the KV cache; the message says what to change."""
 
 
-def _check_positive(spec: msgspec.Struct, *names: str) -> None:
+def _check_positive(spec: "KVCacheSpec", *names: str) -> None:
     for name in names:
         if getattr(spec, name) < 1:
             raise ValueError(f"{type(spec).__name__}.{name} must be at least 1, got {getattr(spec, name)}")
@@ -30,7 +30,7 @@ class FullAttentionSpec(msgspec.Struct, frozen=True, tag=True, array_like=True):
         _check_positive(self, "block_size", "num_kv_heads", "head_size", "dtype_bytes")
 
     @property
-    def page_size_bytes(self) -> int:
+    def page_size_bytes(self: "KVCacheSpec") -> int:
         """Bytes of K and V for one block of one layer."""
         head_size_v = self.head_size_v or self.head_size
         return self.num_kv_heads * self.block_size * (self.head_size + head_size_v) * self.dtype_bytes

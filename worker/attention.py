@@ -83,7 +83,7 @@ def build_metadata(
     block_ids = table[reqs.rows.unsqueeze(1), cols.clamp(max=table.shape[1] - 1)].long()
     consecutive = _consecutive(block_ids, num_blocks).tolist()
     columns = (key_start, key_end, first_block, num_blocks, nc, nq, reqs.query_start)
-    per_req = [RequestKeys(*r) for r in zip(*(t.tolist() for t in columns))]
+    per_req = [RequestKeys(*r) for r in zip(*(t.tolist() for t in columns), strict=True)]
     spans, i = [], 0
     budget = DECODE_CHUNK_BYTES // (block_size * kv_bytes_per_token)  # blocks per decode run
     while i < len(per_req):

@@ -41,14 +41,15 @@ class ModelRunner:
         shape = (2, m.kv_heads_per_rank, cfg.num_blocks, self.block_size, m.cfg.head_dim)
         num_tensors = max(len(g.layer_names) for g in groups)
         self.kv_tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_tensors)]
-        self.layer_slots = [None] * len(m.layers)  # layer index -> (group, tensor)
+        slots: dict[int, tuple[int, int]] = {}  # layer index -> (group, tensor)
         for g, group in enumerate(groups):
             for j, name in enumerate(group.layer_names):
                 if name not in self.layer_index:
                     raise ValueError(f"the KV cache config names a layer this model does not have: {name!r}")
-                self.layer_slots[self.layer_index[name]] = (g, j)
-        if None in self.layer_slots:
+                slots[self.layer_index[name]] = (g, j)
+        if len(slots) < len(m.layers):
             raise ValueError("the KV cache config leaves some layers without a KV cache group")
+        self.layer_slots = [slots[i] for i in range(len(m.layers))]
         self._check_windows(groups)
         max_blocks = cdiv(self.max_model_len, self.block_size)
         self.tables = BlockTables(len(groups), self.max_num_seqs, max_blocks, device)
@@ -93,7 +94,7 @@ class ModelRunner:
             self.tables.add(new.req_id, new.block_ids)
             batch.append((new.req_id, new.num_computed_tokens))
         cached = so.scheduled_cached_reqs
-        for req_id, new_ids, nc in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+        for req_id, new_ids, nc in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True):
             if new_ids is not None:
                 self.tables.append(req_id, new_ids)
             batch.append((req_id, nc))
@@ -108,7 +109,8 @@ class ModelRunner:
                     self.tables.groups[g].null_skipped(self.tables.rows[req_id], skipped)
 
     def _run(self, batch: list[tuple[str, int]], num_scheduled: dict[str, int]) -> list[list[int]]:
-        ids, positions, counts, computed, samplers = [], [], [], [], []
+        ids, counts, computed, samplers = [], [], [], []
+        positions: list[int] = []
         for i, (req_id, nc) in enumerate(batch):
             state, n = self.requests[req_id], num_scheduled[req_id]
             if nc + n > len(state.token_ids):
@@ -132,7 +134,7 @@ class ModelRunner:
         )
         metas = [
             build_metadata(t.table, self.block_size, w, reqs, self.kv_bytes_per_token)
-            for t, w in zip(self.tables.groups, self.windows)
+            for t, w in zip(self.tables.groups, self.windows, strict=True)
         ]
         hidden = self.model.forward(
             torch.tensor(ids, device=dev),
@@ -150,11 +152,11 @@ class ModelRunner:
         last = (reqs.query_start + reqs.num_scheduled - 1)[samplers]
         logits = self.model.logits(hidden[last])
         token_ids = torch.empty(len(samplers), dtype=torch.long, device=hidden.device)
-        if self.tp.rank == 0:
+        if logits is not None:  # rank 0: the other ranks get None
             states = [self.requests[batch[i][0]] for i in samplers]
             positions = [len(s.token_ids) - s.num_prompt for s in states]
             token_ids = sample(logits, [s.params for s in states], positions)
-        for i, t in zip(samplers, self.tp.broadcast(token_ids).tolist()):
+        for i, t in zip(samplers, self.tp.broadcast(token_ids).tolist(), strict=True):
             self.requests[batch[i][0]].token_ids.append(t)
             out[i] = [t]
         return out

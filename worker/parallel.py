@@ -30,9 +30,12 @@ class TPGroup:
         """Concatenate every rank's shard along the last dim on rank 0; other ranks get None."""
         if self.size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        if self.rank != 0:
+            dist.gather(x.contiguous(), None, dst=0)
+            return None
+        parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.gather(x.contiguous(), parts, dst=0)
-        return torch.cat(parts, dim=-1) if self.rank == 0 else None
+        return torch.cat(parts, dim=-1)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:

@@ -80,12 +80,12 @@ class Worker:
     def kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         """Layer name -> spec; the names are the runner's, which maps them back to layers by its own dict."""
         m = self.model
-        common = dict(
-            block_size=self.block_size,
-            num_kv_heads=m.kv_heads_per_rank,
-            head_size=m.cfg.head_dim,
-            dtype_bytes=torch.finfo(self.dtype).bits // 8,
-        )
+        common = {
+            "block_size": self.block_size,
+            "num_kv_heads": m.kv_heads_per_rank,
+            "head_size": m.cfg.head_dim,
+            "dtype_bytes": torch.finfo(self.dtype).bits // 8,
+        }
         return {
             name: FullAttentionSpec(**common) if w is None else SlidingWindowSpec(**common, sliding_window=w)
             for name, w in zip(self.runner.layer_names, m.cfg.layer_sliding_windows, strict=True)
@@ -145,7 +145,7 @@ class Worker:
 def _profile_output(lengths: list[int], blocks_per_req: list[int], num_groups: int) -> SchedulerOutput:
     """Every layer in its own group sharing one scratch tensor: the profile needs memory, not values."""
     reqs, next_block = [], 1
-    for i, (n, nb) in enumerate(zip(lengths, blocks_per_req)):
+    for i, (n, nb) in enumerate(zip(lengths, blocks_per_req, strict=True)):
         ids = list(range(next_block, next_block + nb))
         next_block += nb
         reqs.append(NewRequestData(f"profile-{i}", [0] * n, [], SamplingParams(temperature=0.0), [ids] * num_groups, 0))

@@ -150,14 +150,15 @@ class BlockPool:
             raise ValueError(f"cannot get {num_blocks} free blocks from the pool ({self.get_num_free_blocks()} free)")
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
-            if block._block_hash is not None:
+            key = block._block_hash
+            if key is not None:
                 self.num_cached_free_blocks -= 1
-                self._evict_cached_block(block)
+                self._evict_cached_block(block, key)
             block.ref_cnt = 1
         return blocks
 
-    def _evict_cached_block(self, block: KVCacheBlock) -> None:
-        key = block.block_hash
+    def _evict_cached_block(self, block: KVCacheBlock, key: BlockHashWithGroupId) -> None:
+        """key: the block's hash, which the caller has checked is set."""
         self.cached_block_hash_to_block.pop(key, block.block_id)
         block.reset_hash()
         if self.enable_kv_cache_events:
@@ -180,7 +181,8 @@ class BlockPool:
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each. Blocks reaching 0 go to the front if uncached, to the back if cached."""
-        front, back = [], []
+        front: list[KVCacheBlock] = []
+        back: list[KVCacheBlock] = []
         for block in ordered_blocks:
             if block.is_null:
                 continue
@@ -199,9 +201,10 @@ class BlockPool:
             if not 0 < block_id < self.num_gpu_blocks:
                 raise ValueError(f"block id {block_id} is outside 1..{self.num_gpu_blocks - 1}")
             block = self.blocks[block_id]
-            if block._block_hash is not None:
+            key = block._block_hash
+            if key is not None:
                 self.num_cached_free_blocks -= block.ref_cnt == 0
-                self._evict_cached_block(block)
+                self._evict_cached_block(block, key)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False, with a warning) while any block is in use."""

@@ -36,11 +36,11 @@ class KVCacheCoordinator:
     ) -> int:
         return sum(
             manager.get_num_blocks_to_allocate(request_id, num_tokens, hits, apply_admission_cap)
-            for manager, hits in zip(self.single_type_managers, new_computed_blocks)
+            for manager, hits in zip(self.single_type_managers, new_computed_blocks, strict=True)
         )
 
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: tuple[list[KVCacheBlock], ...]) -> None:
-        for manager, hits in zip(self.single_type_managers, new_computed_blocks):
+        for manager, hits in zip(self.single_type_managers, new_computed_blocks, strict=True):
             manager.save_new_computed_blocks(request_id, hits)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
@@ -129,7 +129,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 length = len(hits[0]) * self.block_size
                 if length < hit_length:
                     hit_length, shrunk = length, True
-                for group_id, group_hits in zip(group_ids, hits):
+                for group_id, group_hits in zip(group_ids, hits, strict=True):
                     hits_per_group[group_id] = group_hits
             if not shrunk or hit_length == 0:
                 break

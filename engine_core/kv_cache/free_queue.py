@@ -5,7 +5,16 @@ to lose), cached frees to the back (least recently used first). Removal from the
 which a prefix-cache hit on a free block needs.
 """
 
+from itertools import pairwise
+
 from engine_core.kv_cache.block import KVCacheBlock
+
+
+def _linked(link: KVCacheBlock | None) -> KVCacheBlock:
+    """A link of a block in the queue (or of a sentinel): the sentinels keep it from being None."""
+    if link is None:
+        raise RuntimeError("the free queue is broken: a link inside it is None")
+    return link
 
 
 class FreeKVCacheBlockQueue:
@@ -15,12 +24,12 @@ class FreeKVCacheBlockQueue:
         self.fake_head = KVCacheBlock(block_id=-1)
         self.fake_tail = KVCacheBlock(block_id=-1)
         chain = [self.fake_head, *blocks, self.fake_tail]
-        for prev, nxt in zip(chain, chain[1:]):
+        for prev, nxt in pairwise(chain):
             prev.next_free_block = nxt
             nxt.prev_free_block = prev
 
     def popleft(self) -> KVCacheBlock:
-        block = self.fake_head.next_free_block
+        block = _linked(self.fake_head.next_free_block)
         if block is self.fake_tail:
             raise ValueError("no free blocks left")
         self.remove(block)
@@ -32,12 +41,13 @@ class FreeKVCacheBlockQueue:
         if n == 0:
             return []
         out = []
-        block = self.fake_head.next_free_block
+        block = _linked(self.fake_head.next_free_block)
         for _ in range(n):
             out.append(block)
             nxt = block.next_free_block
             block.prev_free_block = block.next_free_block = None
-            block = nxt
+            # n <= num_free_blocks: the walk ends at the tail sentinel at the latest, never at None.
+            block = nxt  # type: ignore[assignment]
         self.fake_head.next_free_block = block
         block.prev_free_block = self.fake_head
         self.num_free_blocks -= n
@@ -56,7 +66,7 @@ class FreeKVCacheBlockQueue:
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
         """Put blocks at the back, in the order given."""
-        self._insert_after(self.fake_tail.prev_free_block, blocks)
+        self._insert_after(_linked(self.fake_tail.prev_free_block), blocks)
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         """Put blocks at the front, in the order given (blocks[0] is taken first)."""
@@ -65,7 +75,7 @@ class FreeKVCacheBlockQueue:
     def _insert_after(self, prev: KVCacheBlock, blocks: list[KVCacheBlock]) -> None:
         if not blocks:
             return
-        last = prev.next_free_block
+        last = _linked(prev.next_free_block)
         for block in blocks:
             prev.next_free_block = block
             block.prev_free_block = prev
@@ -77,8 +87,8 @@ class FreeKVCacheBlockQueue:
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """Front to back; for tests and debugging."""
         out = []
-        block = self.fake_head.next_free_block
+        block = _linked(self.fake_head.next_free_block)
         while block is not self.fake_tail:
             out.append(block)
-            block = block.next_free_block
+            block = _linked(block.next_free_block)
         return out

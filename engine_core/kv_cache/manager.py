@@ -55,7 +55,7 @@ class KVCacheManager:
         # All groups share one block size (the hybrid coordinator checks it); hashes are made at it.
         groups = kv_cache_config.kv_cache_groups
         self.hash_block_size = groups[0].kv_cache_spec.block_size if groups else 0
-        self._no_blocks = tuple([] for _ in range(self.num_kv_cache_groups))
+        self._no_blocks: tuple[list[KVCacheBlock], ...] = tuple([] for _ in range(self.num_kv_cache_groups))
         managers = self.coordinator.single_type_managers
         self._full_only = managers[0] if len(managers) == 1 and isinstance(managers[0], FullAttentionManager) else None
 
@@ -148,7 +148,9 @@ class KVCacheManager:
         """Most decode steps: one full-attention group, the new slots lie in blocks already held and no
         block becomes full, so the general path would change nothing."""
         manager = self._full_only
-        blocks = manager.req_to_blocks.get(request.request_id) if manager is not None else None
+        if manager is None:
+            return False
+        blocks = manager.req_to_blocks.get(request.request_id)
         if blocks is None:
             return False
         end = request.num_computed_tokens + num_new_tokens

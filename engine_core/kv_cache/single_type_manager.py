@@ -110,7 +110,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             cached = block_pool.get_cached_block(block_hash, kv_cache_group_ids)
             if cached is None:
                 break
-            for group_hits, block in zip(hits, cached):
+            for group_hits, block in zip(hits, cached, strict=True):
                 group_hits.append(block)
         return hits
 
@@ -140,7 +140,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             if cached is None:
                 run = 0
                 continue
-            for group_hits, block in zip(hits, cached):
+            for group_hits, block in zip(hits, cached, strict=True):
                 group_hits[i] = block
             run += 1
             if run >= needed:

@@ -28,16 +28,16 @@ def add_make_model_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_make_model(args: argparse.Namespace) -> int:
     from worker.model.tiny import write_model
 
-    overrides = dict(
-        hidden_size=args.hidden_size,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=args.num_heads,
-        num_key_value_heads=args.num_kv_heads,
-        intermediate_size=args.intermediate_size,
-        vocab_size=args.vocab_size,
-        max_position_embeddings=args.max_position_embeddings,
-        tie_word_embeddings=args.tie_word_embeddings,
-    )
+    overrides = {
+        "hidden_size": args.hidden_size,
+        "num_hidden_layers": args.num_layers,
+        "num_attention_heads": args.num_heads,
+        "num_key_value_heads": args.num_kv_heads,
+        "intermediate_size": args.intermediate_size,
+        "vocab_size": args.vocab_size,
+        "max_position_embeddings": args.max_position_embeddings,
+        "tie_word_embeddings": args.tie_word_embeddings,
+    }
     if args.sliding_window is not None:
         if args.architecture != "qwen2":
             print("kvengine make-model: --sliding-window needs --architecture qwen2", file=sys.stderr)

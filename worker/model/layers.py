@@ -24,7 +24,7 @@ class ColumnParallelLinear:
 
     def __init__(self, src: WeightSource, names: list[str], sizes: list[int], tp: TPGroup, bias: bool, **to):
         weights, biases = [], []
-        for name, size in zip(names, sizes):
+        for name, size in zip(names, sizes, strict=True):
             start, end = shard_range(size, tp.rank, tp.size)
             weights.append(src.read(f"{name}.weight", 0, start, end))
             if bias:

@@ -47,7 +47,7 @@ class LlamaModel:
     """Forward over flattened tokens; `logits` gives full-vocabulary logits on rank 0."""
 
     def __init__(self, cfg: ModelConfig, src: WeightSource, tp: TPGroup, max_positions: int, dtype, device):
-        to = dict(dtype=dtype, device=device)
+        to = {"dtype": dtype, "device": device}
         self.cfg, self.tp = cfg, tp
         self.embed = VocabParallelEmbedding(src, "model.embed_tokens.weight", cfg.vocab_size, tp, **to)
         self.layers = [DecoderLayer(cfg, src, i, tp, **to) for i in range(cfg.num_hidden_layers)]
@@ -72,7 +72,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         """caches[i] and metas[i] belong to layer i; returns final hidden states [tokens, hidden]."""
         x = self.embed(input_ids)
-        for layer, cache, meta in zip(self.layers, caches, metas):
+        for layer, cache, meta in zip(self.layers, caches, metas, strict=True):
             x = layer(x, positions, self.rotary, cache, meta, buffer)
         return self.norm(x)
 

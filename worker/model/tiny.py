@@ -6,14 +6,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-TINY_DEFAULTS = dict(
-    hidden_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    intermediate_size=512,
-    vocab_size=1024,
-)
+TINY_DEFAULTS = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "intermediate_size": 512,
+    "vocab_size": 1024,
+}
 
 
 def tiny_config(architecture: str = "LlamaForCausalLM", **overrides) -> dict:

@@ -49,6 +49,7 @@ def _gguf_tokenizer(path: Path) -> Tokenizer:
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     tok.decoder = decoders.ByteLevel()
-    types = field(reader, "tokenizer.ggml.token_type") or []
-    tok.add_special_tokens([AddedToken(t, special=True) for t, ty in zip(tokens, types) if ty == _GGUF_CONTROL])
+    types = field(reader, "tokenizer.ggml.token_type") or []  # absent (empty): no token is special
+    special = [t for t, ty in zip(tokens, types, strict=False) if ty == _GGUF_CONTROL]
+    tok.add_special_tokens([AddedToken(t, special=True) for t in special])
     return tok

@@ -12,12 +12,11 @@ class WeightSource:
 
     def __init__(self, tensors: dict[str, torch.Tensor] | None = None, folder: str | Path | None = None):
         self._tensors = tensors or {}
-        self._files: dict[str, object] = {}
+        self._files: dict[str, safe_open] = {}
         if folder is not None:
             for path in sorted(Path(folder).glob("*.safetensors")):
                 handle = safe_open(str(path), framework="pt")
-                for name in handle.keys():
-                    self._files[name] = handle
+                self._files.update(dict.fromkeys(handle.keys(), handle))
 
     def has(self, name: str) -> bool:
         return name in self._tensors or name in self._files
