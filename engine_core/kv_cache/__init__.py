@@ -18,3 +18,27 @@ from engine_core.kv_cache.single_type_manager import (
     SlidingWindowManager,
 )
 from protocol.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+__all__ = [
+    "BlockPool",
+    "FreeKVCacheBlockQueue",
+    "FullAttentionManager",
+    "FullAttentionSpec",
+    "HybridKVCacheCoordinator",
+    "KVCacheBlock",
+    "KVCacheBlocks",
+    "KVCacheConfig",
+    "KVCacheCoordinator",
+    "KVCacheCoordinatorNoPrefixCache",
+    "KVCacheGroupSpec",
+    "KVCacheManager",
+    "PrefixCacheStats",
+    "SingleTypeKVCacheManager",
+    "SlidingWindowManager",
+    "SlidingWindowSpec",
+    "UnitaryKVCacheCoordinator",
+    "get_hash_fn",
+    "get_kv_cache_coordinator",
+    "get_request_block_hasher",
+    "hash_block_tokens",
+]
