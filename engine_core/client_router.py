@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 # integer) plus 1 MiB for the rest (id, sampling parameters, salt). ZeroMQ drops the connection of a
 # peer that sends more (its requests are then aborted); the client library refuses such a prompt first.
 MAX_CLIENT_FRAME_BYTES = 9 * MAX_PROMPT_TOKENS + (1 << 20)
-MAX_ERROR_CHARS = 300  # of a decode error sent back to a client: msgspec's text plus at most a number
+MAX_ERROR_CHARS = 300  # a decode error is cut to this in replies and logs (it quotes numbers, never a list)
 
 
 class _RequestHead(msgspec.Struct, array_like=True):

@@ -43,6 +43,7 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params or SamplingParams()
+        self.stop_token_ids = frozenset(self.sampling_params.stop_token_ids)  # checked for every sampled token
         self.arrival_time = arrival_time
         self.cache_salt = cache_salt
         self.priority = priority
