@@ -17,7 +17,7 @@ MAX_REQUEST_ID_LENGTH = 256
 # A protocol cap far above any max_model_len served here (the scheduler applies that one); a type bound,
 # so that decode refuses a longer prompt from the list header instead of building it first.
 MAX_PROMPT_TOKENS = 1 << 20
-MAX_PRIORITY = 2**31 - 1
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1
 
 
 class EngineCoreRequest(msgspec.Struct, tag=True, **_struct):
@@ -26,19 +26,19 @@ class EngineCoreRequest(msgspec.Struct, tag=True, **_struct):
     request_id: str
     prompt_token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
     sampling_params: SamplingParams
-    arrival_time: float  # seconds since the epoch: finite, >= 0
+    arrival_time: float  # finite: it orders the queue
     cache_salt: str | None = None
-    priority: int = 0  # lower runs first under --scheduling-policy priority; within +-MAX_PRIORITY
+    priority: int = 0  # lower runs first under --scheduling-policy priority
 
     def __post_init__(self) -> None:
         if len(self.request_id) > MAX_REQUEST_ID_LENGTH:
             raise ValueError(f"request_id has {len(self.request_id)} characters, more than {MAX_REQUEST_ID_LENGTH}")
         if len(self.prompt_token_ids) > MAX_PROMPT_TOKENS:
             raise ValueError(f"the prompt has {len(self.prompt_token_ids)} tokens, more than {MAX_PROMPT_TOKENS}")
-        if not 0.0 <= self.arrival_time < math.inf:
-            raise ValueError(f"arrival_time must be finite and >= 0, got {self.arrival_time!r}")
-        if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
-            raise ValueError(f"priority must be in [{-MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}")
+        if not math.isfinite(self.arrival_time):
+            raise ValueError(f"arrival_time must be finite, got {self.arrival_time!r}")
+        if not MIN_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise ValueError(f"priority must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}")
 
 
 class EngineCoreAbort(msgspec.Struct, tag=True, **_struct):

@@ -338,8 +338,8 @@ finite = st.floats(allow_nan=False, allow_infinity=False)
 
 sampling_params = st.builds(
     SamplingParams,
-    max_tokens=st.integers(1, 2**63 - 1),
-    temperature=st.floats(0.0, 1e6),
+    max_tokens=st.integers(1, 2**31 - 1),
+    temperature=st.floats(0.0, 100.0),
     top_k=st.integers(0, 2**31 - 1),
     top_p=st.floats(0.0, 1.0, exclude_min=True),
     seed=st.none() | st.integers(-(2**63), 2**63 - 1),
@@ -354,7 +354,7 @@ engine_core_requests = st.builds(
     sampling_params=sampling_params,
     arrival_time=finite,
     cache_salt=st.none() | st.text(max_size=8),
-    priority=st.integers(-(2**31), 2**31),
+    priority=st.integers(-(2**31), 2**31 - 1),
 )
 
 new_request_data = st.builds(

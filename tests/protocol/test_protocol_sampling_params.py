@@ -7,21 +7,32 @@ from hypothesis import strategies as st
 
 from protocol import EngineCoreRequest, ProtocolError, SamplingParams
 from protocol.codec import client_codec, engine_to_worker_codec
+from protocol.sampling import GREEDY_TEMPERATURE, INT64_MAX, INT64_MIN, MAX_INT32, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE
 
 NAN = float("nan")
 INF = float("inf")
 FIELDS = list(SamplingParams.__struct_fields__)
-DEFAULTS = dict(max_tokens=16, temperature=1.0, top_k=0, top_p=1.0, seed=None, stop_token_ids=[], ignore_eos=False)
+DEFAULTS = {
+    "max_tokens": 16, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": None, "stop_token_ids": [],
+    "ignore_eos": False,
+}
 
 INVALID = [
     ("max_tokens", 0),
     ("max_tokens", -1),
     ("max_tokens", -(2**63)),
+    ("max_tokens", MAX_INT32 + 1),
+    ("max_tokens", 2**64 - 1),
     ("temperature", -0.01),
     ("temperature", -1e-300),
     ("temperature", -INF),
     ("temperature", NAN),
+    ("temperature", INF),
+    ("temperature", MAX_TEMPERATURE * 1.0001),
     ("top_k", -1),
+    ("top_k", MAX_INT32 + 1),
+    ("top_k", 2**63),  # overflowed torch.tensor in the worker
+    ("top_k", 2**64 - 1),
     ("top_p", 0.0),
     ("top_p", -0.0),
     ("top_p", -0.5),
@@ -29,10 +40,16 @@ INVALID = [
     ("top_p", 2.0),
     ("top_p", INF),
     ("top_p", NAN),
+    ("seed", INT64_MAX + 1),
+    ("seed", 2**64 - 1),
     ("stop_token_ids", [-1]),
     ("stop_token_ids", [5, 7, -2]),
+    ("stop_token_ids", [MAX_INT32 + 1]),
+    ("stop_token_ids", [2**64 - 1]),
 ]
 INVALID_IDS = [f"{f}={v!r}" for f, v in INVALID]
+# Values msgpack cannot carry, or refused by a type bound whose decode error names the limit, not the field
+INVALID_ON_CONSTRUCTION = [("seed", INT64_MIN - 1), ("stop_token_ids", [0] * (MAX_STOP_TOKEN_IDS + 1))]
 
 
 def forged_params(**override) -> list:
@@ -43,10 +60,10 @@ def forged_params(**override) -> list:
 
 
 def test_field_order_is_what_forged_params_assume():
-    assert FIELDS == list(DEFAULTS)
+    assert list(DEFAULTS) == FIELDS
 
 
-@pytest.mark.parametrize("field,value", INVALID, ids=INVALID_IDS)
+@pytest.mark.parametrize("field,value", INVALID + INVALID_ON_CONSTRUCTION, ids=lambda v: repr(v)[:40])
 def test_invalid_value_raises_on_construction(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
@@ -83,29 +100,35 @@ def test_peer_may_omit_trailing_defaults():
 
 VALID = [
     {},
-    dict(max_tokens=1),
-    dict(max_tokens=2**63 - 1),
-    dict(temperature=0.0),
-    dict(temperature=-0.0),
-    dict(temperature=0),
-    dict(temperature=1e-6),
-    dict(temperature=100.0),
-    dict(top_k=0),
-    dict(top_k=1),
-    dict(top_p=1.0),
-    dict(top_p=5e-324),  # smallest positive float
-    dict(top_p=0.5),
-    dict(seed=0),
-    dict(seed=-1),
-    dict(seed=2**63 - 1),
-    dict(stop_token_ids=[0]),
-    dict(stop_token_ids=[0, 1, 128009]),
-    dict(ignore_eos=True),
-    dict(max_tokens=1, temperature=0.0, top_k=1, top_p=5e-324, seed=0, stop_token_ids=[0], ignore_eos=True),
+    {"max_tokens": 1},
+    {"max_tokens": MAX_INT32},
+    {"temperature": 0.0},
+    {"temperature": -0.0},
+    {"temperature": 0},
+    {"temperature": 1e-6},
+    {"temperature": MAX_TEMPERATURE},
+    {"top_k": 0},
+    {"top_k": 1},
+    {"top_k": MAX_INT32},
+    {"top_p": 1.0},
+    {"top_p": 5e-324},  # smallest positive float
+    {"top_p": 0.5},
+    {"seed": 0},
+    {"seed": -1},
+    {"seed": INT64_MAX},
+    {"seed": INT64_MIN},
+    {"stop_token_ids": [0]},
+    {"stop_token_ids": [0, 1, 128009]},
+    {"stop_token_ids": [MAX_INT32] * MAX_STOP_TOKEN_IDS},
+    {"ignore_eos": True},
+    {
+        "max_tokens": 1, "temperature": 0.0, "top_k": 1, "top_p": 5e-324, "seed": 0, "stop_token_ids": [0],
+        "ignore_eos": True,
+    },
 ]
 
 
-@pytest.mark.parametrize("kw", VALID, ids=[repr(k) for k in VALID])
+@pytest.mark.parametrize("kw", VALID, ids=[repr(k)[:60] for k in VALID])
 def test_valid_edge_values_accepted(kw):
     sp = SamplingParams(**kw)
     for k, v in kw.items():
@@ -121,8 +144,9 @@ def test_valid_edge_values_accepted(kw):
 def test_greedy():
     assert SamplingParams(temperature=0.0).greedy
     assert SamplingParams(temperature=-0.0).greedy
+    assert SamplingParams(temperature=1e-300).greedy  # would be 0 in the worker's float32 tensor
     assert not SamplingParams().greedy
-    assert not SamplingParams(temperature=1e-9).greedy
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
 
 
 def test_error_messages_quote_the_value():
@@ -130,25 +154,47 @@ def test_error_messages_quote_the_value():
         SamplingParams(max_tokens=-3)
     with pytest.raises(ValueError, match=r"\(0, 1\]"):
         SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match=r"top_k must be in \[0, 2147483647\], got 9223372036854775808"):
+        SamplingParams(top_k=2**63)
+
+
+def test_too_many_stop_ids_names_the_limit_and_never_quotes_the_list():
+    with pytest.raises(ValueError, match=f"more than the limit of {MAX_STOP_TOKEN_IDS}") as ei:
+        SamplingParams(stop_token_ids=[7] * 2_000_000)
+    assert len(str(ei.value)) < 100
+    with pytest.raises(ValueError, match="got -1$"):
+        SamplingParams(stop_token_ids=[1] * 1000 + [-1])
+
+
+def test_decode_refuses_a_long_stop_id_list_from_its_header():
+    """The type bound fires on the array header, so the 2M entries are never built into a list."""
+    data = msgspec.msgpack.encode(["EngineCoreRequest", "r", [1], forged_params(stop_token_ids=[7] * 2_000_000), 0.0])
+    with pytest.raises(ProtocolError, match=f"length <= {MAX_STOP_TOKEN_IDS}"):
+        client_codec().decode(data)
 
 
 @settings(max_examples=200, deadline=None)
 @given(
-    max_tokens=st.integers(-(2**63), 2**63 - 1),
+    max_tokens=st.integers(-(2**63), 2**64 - 1),  # anything msgpack can carry
     temperature=st.floats(),
-    top_k=st.integers(-(2**31), 2**31),
+    top_k=st.integers(-(2**63), 2**64 - 1),
     top_p=st.floats(),
-    stop_token_ids=st.lists(st.integers(-(2**31), 2**31), max_size=4),
+    seed=st.none() | st.integers(-(2**63), 2**64 - 1),
+    stop_token_ids=st.lists(st.integers(-(2**31), 2**32), max_size=4),
 )
-def test_construction_and_decode_agree(max_tokens, temperature, top_k, top_p, stop_token_ids):
+def test_construction_and_decode_agree(max_tokens, temperature, top_k, top_p, seed, stop_token_ids):
     """Whatever construction accepts, decoding accepts (and equal); whatever it refuses, decoding refuses."""
-    kw = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids)
+    kw = {
+        "max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
+        "stop_token_ids": stop_token_ids,
+    }
     valid = (
-        max_tokens >= 1
-        and temperature >= 0.0
-        and top_k >= 0
+        1 <= max_tokens <= MAX_INT32
+        and 0.0 <= temperature <= MAX_TEMPERATURE
+        and 0 <= top_k <= MAX_INT32
         and 0.0 < top_p <= 1.0
-        and all(t >= 0 for t in stop_token_ids)
+        and (seed is None or INT64_MIN <= seed <= INT64_MAX)
+        and all(0 <= t <= MAX_INT32 for t in stop_token_ids)
     )
     data = msgspec.msgpack.encode(["EngineCoreRequest", "r", [1], forged_params(**kw), 0.0])
     if valid:

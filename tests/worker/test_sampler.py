@@ -3,6 +3,7 @@
 import torch
 
 from protocol import SamplingParams
+from protocol.sampling import GREEDY_TEMPERATURE, INT64_MAX, INT64_MIN, MAX_INT32, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE
 from worker.sampler import sample
 
 
@@ -43,3 +44,28 @@ def test_mixed_batch_keeps_greedy_rows_greedy():
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=2.0, seed=1)] * 2
     got = sample(x, params, [0] * 4)
     assert got[0] == x[0].argmax() and got[2] == x[2].argmax()
+
+
+def test_every_bound_of_the_sampling_params_is_one_the_sampler_holds():
+    """The largest top_k, the extreme temperatures and seeds give real tokens (no overflow, no NaN)."""
+    x = logits(rows=6, vocab=50)
+    params = [
+        SamplingParams(top_k=MAX_INT32, seed=0),  # above the vocabulary: top-k is off
+        SamplingParams(temperature=MAX_TEMPERATURE, seed=INT64_MAX),
+        SamplingParams(temperature=GREEDY_TEMPERATURE, seed=INT64_MIN),
+        SamplingParams(temperature=1e-300),  # 0 in a float32 tensor: sampled greedily instead
+        SamplingParams(max_tokens=MAX_INT32, stop_token_ids=[MAX_INT32] * MAX_STOP_TOKEN_IDS, top_p=5e-324),
+        SamplingParams(top_k=MAX_INT32, top_p=0.5, seed=-1),
+    ]
+    got = sample(x, params, [MAX_INT32] * 6).tolist()
+    assert all(0 <= t < 50 for t in got)
+    assert got[2:5] == x[2:5].argmax(-1).tolist()
+    assert got == sample(x, params, [MAX_INT32] * 6).tolist()  # every row is seeded or greedy
+
+
+def test_top_k_above_the_vocabulary_is_top_k_off():
+    x = logits(rows=1, vocab=50)
+    seeded = [SamplingParams(seed=s) for s in range(30)]
+    off = sample(x.expand(30, 50), seeded, [0] * 30)
+    huge = sample(x.expand(30, 50), [SamplingParams(seed=s, top_k=MAX_INT32) for s in range(30)], [0] * 30)
+    assert off.tolist() == huge.tolist()
