@@ -30,6 +30,7 @@ class EngineLoop:
         while not stopping():
             if not self.engine.has_work() and not self.router.inbox:
                 self.router.poll(IDLE_POLL_MS)
+                self.engine.executor.check_health()  # a busy engine notices a dead worker in its step
             self.router.read()
             self.apply_inbox()
             if self.engine.has_work():

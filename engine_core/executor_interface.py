@@ -17,5 +17,9 @@ class Executor(Protocol):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         ...
 
+    def check_health(self) -> None:
+        """Raise if a worker is gone; the engine loop calls it whenever it is idle, so it must not block."""
+        ...
+
     def shutdown(self) -> None:
         ...

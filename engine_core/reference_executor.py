@@ -112,5 +112,8 @@ class ReferenceExecutor:
                 table = self.block_tables[req_id][g]
                 table[: min(skipped, len(table))] = [0] * min(skipped, len(table))
 
+    def check_health(self) -> None:
+        pass  # no worker to lose
+
     def shutdown(self) -> None:
         pass

@@ -2,7 +2,14 @@
 
 Every SchedulerOutput is encoded once and sent to every rank in step order (ZeroMQ keeps order per
 peer). While the workers compute, the wait loop also serves other sockets (the client socket), so
-decoding new requests overlaps the forward pass. A dead worker is noticed within one poll period.
+decoding new requests overlaps the forward pass.
+
+Faults: a dead worker is noticed within one poll period, while waiting for the workers and, through
+check_health (a non-blocking waitpid of each worker), whenever the engine loop is idle. A step that
+rank 0 has not answered within --step-timeout fails: a stopped rank (state T in /proc/PID/stat:
+SIGSTOP, a debugger) is named as the one that hangs; when none is stopped, rank 0 is named, the rank
+that answers steps, though with tensor parallelism it may be waiting for another rank in a
+collective. Every worker is then killed with SIGKILL, the one signal a stopped process obeys.
 """
 
 import contextlib
@@ -11,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import msgspec
@@ -49,6 +57,7 @@ class MultiprocExecutor:
         """check_stop: called every poll period while waiting (it may raise to give up);
         entry: the command that runs one worker; it gets the WorkerConfig as JSON."""
         self.check_stop = check_stop
+        self.step_timeout = configs[0].engine.parallel.step_timeout
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished rank raises
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -69,22 +78,26 @@ class MultiprocExecutor:
         self.handlers[sock] = handler
         self.poller.register(sock, zmq.POLLIN)
 
-    def _check_alive(self) -> None:
+    def check_health(self) -> None:
+        """Raise WorkerFailedError if a worker has exited."""
         for rank, proc in enumerate(self.procs):
             if proc.poll() is not None:
                 raise WorkerFailedError(rank, f"died (exit code {proc.returncode})")
 
-    def _recv(self, wanted: type[M], ranks: set[int]) -> dict[int, M]:
-        """Wait for one `wanted` message from each rank in ranks."""
+    def _recv(self, wanted: type[M], ranks: set[int], deadline: float | None = None) -> dict[int, M]:
+        """Wait for one `wanted` message from each rank in ranks; TimeoutError once past deadline (monotonic)."""
         got: dict[int, M] = {}
         while len(got) < len(ranks):
-            events = dict(self.poller.poll(POLL_MS))
+            poll_ms = POLL_MS if deadline is None else max(0, min(POLL_MS, int((deadline - time.monotonic()) * 1000)))
+            events = dict(self.poller.poll(poll_ms))
             for sock, handler in self.handlers.items():
                 if sock in events:
                     handler()
             if self.sock not in events:
-                self._check_alive()
                 self.check_stop()
+                self.check_health()
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError()
                 continue
             frames = self.sock.recv_multipart()
             rank = self.rank_of.get(frames[0])
@@ -97,7 +110,7 @@ class MultiprocExecutor:
                 continue
             if isinstance(msg, WorkerError):
                 time.sleep(0.2)  # a rank that died often makes its peers fail in a collective: name the dead one
-                self._check_alive()
+                self.check_health()
                 raise WorkerFailedError(rank, f"failed: {msg.message}")
             if isinstance(msg, wanted) and rank in ranks:
                 got[rank] = msg
@@ -123,27 +136,51 @@ class MultiprocExecutor:
         assert all(r.num_blocks == kv_cache_config.num_blocks for r in ready.values())
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        step = scheduler_output.step
         self._send_all(scheduler_output)
+        deadline = time.monotonic() + self.step_timeout if self.step_timeout else None
         while True:
-            output = self._recv(ModelRunnerOutput, {0})[0]
-            if output.step == scheduler_output.step:
+            try:
+                output = self._recv(ModelRunnerOutput, {0}, deadline)[0]
+            except TimeoutError:
+                raise self._step_timed_out(step) from None
+            if output.step == step:
                 return output
-            logger.error("Dropped the output of step %d while waiting for step %d", output.step, scheduler_output.step)
+            logger.error("Dropped the output of step %d while waiting for step %d", output.step, step)
+
+    def _step_timed_out(self, step: int) -> WorkerFailedError:
+        """Name the rank that hangs (see the module doc) and kill every worker."""
+        stopped = [rank for rank, proc in enumerate(self.procs) if _process_state(proc.pid) in ("T", "t")]
+        rank = stopped[0] if stopped else 0
+        if stopped:
+            why = " (its process is stopped)"
+        else:
+            why = " (no rank is stopped; rank 0 may be waiting for another in a collective)" if len(self.procs) > 1 else ""
+        self._kill_all()
+        return WorkerFailedError(rank, f"did not answer step {step} within {self.step_timeout:g} s{why}")
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Ask every worker to exit, then terminate and finally kill any that do not."""
+        """Ask every worker to exit; kill those still running after timeout (workers ignore SIGTERM)."""
         with contextlib.suppress(WorkerFailedError):
             self._send_all(Shutdown())
+        deadline = time.monotonic() + timeout
         for proc in self.procs:
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(2.0)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
+        self._kill_all()
         self.sock.close()
+
+    def _kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat (R, S, D, T stopped, t traced, Z, ...); '?' if unreadable."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
 

@@ -14,6 +14,7 @@ import traceback
 import msgspec
 import zmq
 
+from launch.open_files import raise_open_file_limit
 from launch.worker_config import WorkerConfig
 from protocol import InitKVCache, ProtocolError, SchedulerOutput, Shutdown, WorkerError
 from protocol.codec import engine_to_worker_codec, worker_to_engine_codec
@@ -25,7 +26,11 @@ PARENT_CHECK_MS = 500
 def main() -> int:
     config = msgspec.json.decode(sys.argv[1], type=WorkerConfig)
     logging.basicConfig(level=config.engine.server.log_level, format=f"%(asctime)s %(levelname)s [rank {config.rank}] %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the engine core decides
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        # Ctrl-C, a closed terminal or a container stop reaches the whole group: the engine core decides,
+        # then sends Shutdown; a worker whose engine core is gone exits by itself (the parent check below).
+        signal.signal(signum, signal.SIG_IGN)
+    raise_open_file_limit()
     parent = os.getppid()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)

@@ -80,6 +80,10 @@ class ParallelConfig(_Area, frozen=True):
     tensor_parallel_size: Annotated[PositiveInt, setting(
         "worker processes, one per GPU (gloo on CPU, NCCL on CUDA)", aliases=["-tp"])] = 1
     device: Annotated[Literal["cpu", "cuda"], setting("where the workers run")] = "cpu"
+    step_timeout: Annotated[float, Meta(ge=0), setting(
+        "seconds to wait for the workers to answer one step before the engine names the rank that hangs, "
+        "fails every request and exits (0: wait forever). The default, vLLM's execute-model timeout, is far "
+        "above a healthy step on GPU or of the built-in model; a large model prefilled on CPU may need more")] = 300.0
 
 
 class ServerConfig(_Area, frozen=True):

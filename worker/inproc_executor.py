@@ -20,5 +20,8 @@ class InProcExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
+    def check_health(self) -> None:
+        pass  # the worker lives in this process
+
     def shutdown(self) -> None:
         self.worker.shutdown()

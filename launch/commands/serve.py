@@ -23,10 +23,13 @@ from engine_core.kv_event_publisher import KVEventPublisher
 from engine_core.metrics import EngineMetrics
 from launch.config_args import add_config_args, config_from_args
 from launch.multiproc_executor import MultiprocExecutor, WorkerFailedError
+from launch.open_files import raise_open_file_limit
 from launch.worker_config import worker_configs
 from protocol.config import EngineConfig
 
 logger = logging.getLogger("kvengine.serve")
+# Each stops the server gracefully; workers ignore them and exit when told (launch/worker_main.py).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -47,7 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 class Interrupted(Exception):
-    """SIGINT/SIGTERM arrived during start-up."""
+    """A stop signal arrived during start-up."""
 
 
 class EngineServer:
@@ -65,9 +68,10 @@ class EngineServer:
         self.stopping = True
 
     def run(self) -> int:
-        """Serve until SIGINT/SIGTERM. Returns the process exit code."""
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
+        """Serve until SIGINT, SIGTERM or SIGHUP (a closed terminal). Returns the process exit code."""
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._on_signal)
+        raise_open_file_limit()
         self.tmpdir = tempfile.mkdtemp(prefix="kvengine-")
         self.ctx = zmq.Context()
         try:

@@ -150,5 +150,8 @@ class SimExecutor:
         if ref.req_ids != req_ids or [len(t) for t in ref.sampled_token_ids] != [len(t) for t in sampled]:
             raise RuntimeError(f"step {so.step}: SimExecutor and ReferenceExecutor sample different requests")
 
+    def check_health(self) -> None:
+        pass  # no worker to lose
+
     def shutdown(self) -> None:
         pass
