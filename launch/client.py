@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
@@ -30,6 +31,9 @@ from protocol import (
     SchedulerStats,
 )
 from protocol.codec import client_codec, outputs_codec
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11 on
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +70,7 @@ class AsyncEngineClient:
         self._dead: str | None = None
         self._request_codec, self._outputs_codec = client_codec(), outputs_codec()
 
-    async def __aenter__(self) -> "AsyncEngineClient":
+    async def __aenter__(self) -> "Self":
         await self.start()
         return self
 

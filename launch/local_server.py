@@ -14,11 +14,14 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from launch.client import AsyncEngineClient
 from launch.config_args import config_to_flags
 from protocol.config import EngineConfig
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11 on
 
 # The settings of a server that a command starts for itself; its address is the command's to choose.
 LOCAL_SERVER_AREAS = ("model", "cache", "scheduler", "parallel")
@@ -40,7 +43,17 @@ class LocalServer:
         self.log_file = log_file
         self.proc: subprocess.Popen | None = None
 
-    async def __aenter__(self) -> "LocalServer":
+    async def __aenter__(self) -> "Self":
+        self.spawn()
+        try:
+            await self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def spawn(self) -> None:
+        """Start the server process on a fresh private address (quick: readiness is wait_ready's job)."""
         self.tmpdir = tempfile.mkdtemp(prefix="kvengine-client-")
         self.address = f"ipc://{self.tmpdir}/engine.sock"
         with open(self.log_file or os.devnull, "ab") as log_file:
@@ -50,12 +63,6 @@ class LocalServer:
                 stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True,
                 preexec_fn=die_with_parent(),  # noqa: PLW1509 (it only calls prctl and getppid)
             )
-        try:
-            await self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     async def wait_ready(self) -> None:
         assert self.proc is not None
