@@ -1,12 +1,19 @@
-"""Prometheus metrics of the engine core, named after vLLM's where the meaning is the same."""
+"""Prometheus metrics of the engine core, named after vLLM's where the meaning is the same, and their endpoint."""
 
+import asyncio
+import threading
 import time
-from wsgiref.simple_server import WSGIServer
+from collections.abc import Callable, Iterable
+from urllib.parse import urlsplit
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from protocol import EngineCoreOutput, SchedulerStats
 
+REQUEST_TIMEOUT = 10.0  # seconds a connection has to send its request and take the answer
+MAX_CONNECTIONS = 64  # a new connection beyond this many drops the oldest
+MAX_HEAD_BYTES = 16384  # request line and headers
+BAD_REQUEST: tuple[str, list[tuple[str, str]], bytes] = ("400 Bad Request", [], b"# HTTP 400: no request line\n")
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0)
 
@@ -40,14 +47,14 @@ class EngineMetrics:
         self._last = SchedulerStats()
         self._arrival: dict[str, float] = {}
         self._last_token: dict[str, float] = {}
-        self.server: WSGIServer | None = None
+        self.server: MetricsServer | None = None
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        self.server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self.server = MetricsServer(self.registry, host, port)
 
     def close(self) -> None:
         if self.server is not None:
-            self.server.shutdown()
+            self.server.close()
 
     def update_stats(self, stats: SchedulerStats) -> None:
         self.kv_cache_usage.set(stats.kv_cache_usage)
@@ -84,3 +91,79 @@ class EngineMetrics:
                 self.request_success.labels(out.finish_reason).inc()
                 self._arrival.pop(out.request_id, None)
                 self._last_token.pop(out.request_id, None)
+
+
+class MetricsServer:
+    """HTTP for prometheus_client's WSGI app, served by one asyncio loop in one thread.
+
+    Idle or slow connections cost no thread: each has REQUEST_TIMEOUT for its whole exchange, and once
+    max_connections are open a new one drops the oldest, so a scraper always gets through."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int, timeout: float = REQUEST_TIMEOUT,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
+        self.app = make_wsgi_app(registry)
+        self.timeout, self.max_connections = timeout, max_connections
+        self.connections: dict[asyncio.StreamWriter, asyncio.Task] = {}  # oldest first
+        self.loop = asyncio.new_event_loop()
+        try:
+            self.server = self.loop.run_until_complete(
+                asyncio.start_server(self._serve, host, port, limit=MAX_HEAD_BYTES))
+        except OSError:
+            self.loop.close()
+            raise
+        self.port: int = self.server.sockets[0].getsockname()[1]
+        self.thread = threading.Thread(target=self.loop.run_forever, name="metrics-http", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
+
+    async def _stop(self) -> None:
+        self.server.close()
+        tasks = list(self.connections.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        if len(self.connections) >= self.max_connections:
+            self.connections.pop(next(iter(self.connections))).cancel()
+        self.connections[writer] = task
+        try:
+            await asyncio.wait_for(self._exchange(reader, writer), self.timeout)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass  # too slow, gone, or a head over MAX_HEAD_BYTES: the connection just closes
+        finally:
+            self.connections.pop(writer, None)
+            writer.close()
+
+    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        request, *lines = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        parts = request.split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            status, headers, body = BAD_REQUEST
+        else:
+            url = urlsplit(parts[1])
+            environ = {"REQUEST_METHOD": parts[0], "PATH_INFO": url.path, "QUERY_STRING": url.query}
+            for line in lines:
+                name, _, value = line.partition(":")
+                if name:
+                    environ["HTTP_" + name.strip().upper().replace("-", "_")] = value.strip()
+            status, headers, body = call_wsgi(self.app, environ)
+        head = [f"HTTP/1.1 {status}", *(f"{k}: {v}" for k, v in headers), f"Content-Length: {len(body)}",
+                "Connection: close", "", ""]
+        writer.write("\r\n".join(head).encode("latin-1") + body)
+        await writer.drain()
+
+
+def call_wsgi(app: Callable[..., Iterable[bytes]], environ: dict[str, str]) -> tuple[str, list[tuple[str, str]], bytes]:
+    """(status, headers, body) of one WSGI call."""
+    started: list[tuple[str, list[tuple[str, str]]]] = []
+    body = b"".join(app(environ, lambda status, headers: started.append((status, headers))))
+    return started[0][0], started[0][1], body
