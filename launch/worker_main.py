@@ -40,6 +40,8 @@ def main() -> int:
     to_engine, from_engine = worker_to_engine_codec(), engine_to_worker_codec()
     worker = None
     try:
+        if config.cpu_cores is not None:
+            os.sched_setaffinity(0, config.cpu_cores)  # before torch starts its threads: they inherit the mask
         import torch
 
         torch.set_num_threads(config.torch_threads)
