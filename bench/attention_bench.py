@@ -1,0 +1,153 @@
+"""Paged attention per layer call: the in-place CPU kernel (worker/ops) vs the torch path (worker/attention.py).
+
+    python bench/attention_bench.py                  # built-in model shapes, 2 threads
+    python bench/attention_bench.py --threads 1 --repeats 50
+
+Each case is one step of one layer: metadata is built once per step (its time is printed apart) and each
+layer call writes the step's K/V and attends. Figures are medians of repeats; they depend on the machine and
+on what else runs there, and are printed, never asserted.
+"""
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from worker.attention import DECODE_CHUNK_BYTES, GatherBuffer, StepRequests, build_metadata, paged_attention
+from worker.ops.cpu_attention import build_cpu_metadata, cpu_paged_attention, load_extension
+
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 8, 4, 32, 16  # the built-in model
+
+
+def table(title: str, header: list[str], rows: list[list]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
+    print(f"\n{title}")
+    for r in [header, ["-" * w for w in widths], *rows]:
+        print("  ".join(str(x).rjust(w) for x, w in zip(r, widths, strict=True)))
+
+
+def decode_plan(rng: random.Random) -> list[tuple[int, int]]:
+    """64 decode tokens, contexts spread evenly over 300..872 (mean 586), in random order."""
+    plan = [(300 + 572 * i // 63, 1) for i in range(64)]
+    rng.shuffle(plan)
+    return plan
+
+
+def mixed_plan(rng: random.Random) -> list[tuple[int, int]]:
+    """2,048 tokens: 56 decodes (contexts ~586), a fresh prefill chunk and two chunks over cached prefixes."""
+    return [*decode_plan(rng)[:56], (0, 704), (512, 640), (1024, 648)]
+
+
+class Step:
+    """One step's inputs for one layer: a cache holding every request's prefix, and the new q/k/v."""
+
+    def __init__(self, plan, dtype, scattered: bool, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        need = [-(-(c + n) // BLOCK_SIZE) for c, n in plan]
+        num_blocks = sum(need) + 1
+        ids = torch.randperm(num_blocks - 1, generator=g) + 1 if scattered else torch.arange(1, num_blocks)
+        self.table = torch.zeros(len(plan), max(need), dtype=torch.int32)
+        used = 0
+        for r, n in enumerate(need):
+            self.table[r, :n] = ids[used : used + n].to(torch.int32)
+            used += n
+        self.cache = torch.randn(2, KV_HEADS, num_blocks, BLOCK_SIZE, HEAD_SIZE, generator=g).to(dtype)
+        tokens = sum(n for _, n in plan)
+        self.q = torch.randn(tokens, HEADS, HEAD_SIZE, generator=g).to(dtype)
+        self.k = torch.randn(tokens, KV_HEADS, HEAD_SIZE, generator=g).to(dtype)
+        self.v = torch.randn(tokens, KV_HEADS, HEAD_SIZE, generator=g).to(dtype)
+        counts, computed = torch.tensor([n for _, n in plan]), torch.tensor([c for c, _ in plan])
+        rows = torch.arange(len(plan))
+        self.reqs = StepRequests(
+            rows=rows,
+            num_computed=computed,
+            num_scheduled=counts,
+            query_start=torch.cumsum(counts, 0) - counts,
+            positions=torch.cat([torch.arange(c, c + n) for c, n in plan]),
+            token_rows=torch.repeat_interleave(rows, counts),
+        )
+        self.kv_bytes_per_token = 2 * KV_HEADS * HEAD_SIZE * self.cache.element_size()
+        max_tokens = self.table.shape[1] * BLOCK_SIZE
+        self.buffer = GatherBuffer(
+            max(max_tokens, DECODE_CHUNK_BYTES // self.kv_bytes_per_token), KV_HEADS, HEAD_SIZE, dtype, "cpu"
+        )
+
+    def torch_meta(self):
+        return build_metadata(self.table, BLOCK_SIZE, None, self.reqs, self.kv_bytes_per_token)
+
+    def kernel_meta(self):
+        r = self.reqs
+        return build_cpu_metadata(self.table, r.rows, r.num_computed, r.num_scheduled, BLOCK_SIZE, None)
+
+    def torch_layer(self, meta):
+        return paged_attention(self.q, self.k, self.v, self.cache, meta, self.buffer, HEAD_SIZE**-0.5)
+
+    def kernel_layer(self, meta):
+        return cpu_paged_attention(self.q, self.k, self.v, self.cache, meta, HEAD_SIZE**-0.5)
+
+
+def median_ms(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def bench_case(name: str, plan, dtype, scattered: bool, repeats: int) -> list:
+    step = Step(plan, dtype, scattered)
+    with torch.inference_mode():
+        tm, km = step.torch_meta(), step.kernel_meta()
+        diff = (step.torch_layer(tm).float() - step.kernel_layer(km).float()).abs().max().item()
+        t_meta, k_meta = median_ms(step.torch_meta, repeats), median_ms(step.kernel_meta, repeats)
+        t_layer = median_ms(lambda: step.torch_layer(tm), repeats)
+        k_layer = median_ms(lambda: step.kernel_layer(km), repeats)
+    return [
+        name,
+        "scattered" if scattered else "consecutive",
+        str(dtype).removeprefix("torch."),
+        f"{t_meta:.3f}",
+        f"{t_layer:.3f}",
+        f"{k_meta:.3f}",
+        f"{k_layer:.3f}",
+        f"{t_layer / k_layer:.1f}x",
+        f"{diff:.1e}",
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    load_extension()
+    print(f"extension ready in {time.perf_counter() - start:.1f} s (compiles on first use on a machine)")
+    rng = random.Random(0)
+    decode, mixed = decode_plan(rng), mixed_plan(rng)
+    mean_ctx = statistics.mean(c for c, _ in decode)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for scattered in (True, False):
+            rows.append(bench_case(f"decode 64, ctx ~{mean_ctx:.0f}", decode, dtype, scattered, args.repeats))
+            rows.append(bench_case("mixed 2,048 tokens", mixed, dtype, scattered, args.repeats))
+    table(
+        f"paged attention, {HEADS}/{KV_HEADS} heads x {HEAD_SIZE}, block {BLOCK_SIZE}, {args.threads} threads, "
+        f"median of {args.repeats} (ms; meta once per step, layer = write K/V + attend)",
+        ["step", "blocks", "dtype", "torch meta", "torch layer", "kernel meta", "kernel layer", "speed-up", "max diff"],
+        rows,
+    )
+
+
+if __name__ == "__main__":
+    main()

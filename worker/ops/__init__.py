@@ -1,0 +1,1 @@
+"""Compiled attention kernels (C++ extensions built on first use)."""

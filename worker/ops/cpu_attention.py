@@ -1,0 +1,166 @@
+"""In-place paged attention on CPU: a C++ extension compiled on first use, cached per machine.
+
+The build lives under ~/.cache/kvengine/torch_extensions/ (or $XDG_CACHE_HOME), one folder per torch
+version, Python version and CPU vector ISA (torch's own capability check: AVX512, AVX2 or none), so a
+second process loads it without compiling and a machine with another ISA gets its own build. Any
+reason the extension cannot be had (no compiler, no ninja, a failed build) raises one
+CpuAttentionUnavailable naming the cause; the caller falls back to the torch path.
+"""
+
+import functools
+import logging
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+EXTENSION_NAME = "kvengine_paged_attention"
+STALE_LOCK_S = 600  # a build lock older than this was left by a process that died while compiling
+ISA_FLAGS = {
+    "AVX512": [
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512dq",
+        "-mavx512vl",
+        "-mavx2",
+        "-mfma",
+        "-mf16c",
+        "-mprefer-vector-width=512",
+    ],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+
+
+class CpuAttentionUnavailable(RuntimeError):
+    """The CPU attention extension cannot be built or loaded here; use the torch path."""
+
+
+@dataclass
+class CpuAttentionMetadata:
+    """One KV cache group's view of a step, built once and shared by all its layers (tensors on the CPU)."""
+
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32: each scheduled request's block ids, batch order
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32: first query row of each request, then the token count
+    seq_lens: torch.Tensor  # [num_reqs] int32: num_computed + num_scheduled (keys the last query sees)
+    window: int  # sliding window in tokens; -1: full attention
+
+
+def build_cpu_metadata(
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    num_computed: torch.Tensor,
+    num_scheduled: torch.Tensor,
+    block_size: int,
+    window: int | None,
+) -> CpuAttentionMetadata:
+    """From a group's block table [max_num_reqs, max_blocks] and the scheduled requests' rows and counts."""
+    seq_lens = (num_computed + num_scheduled).to(torch.int32)
+    max_blocks = -(-int(seq_lens.max()) // block_size) if seq_lens.numel() else 0
+    block_table = table[:, :max_blocks].index_select(0, rows.long())
+    query_start_loc = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    torch.cumsum(num_scheduled, 0, out=query_start_loc[1:])
+    return CpuAttentionMetadata(block_table, query_start_loc, seq_lens, -1 if window is None else window)
+
+
+def paged_attention_cpu(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    """q [tokens, heads, head_size] over the cache [2, kv_heads, num_blocks, block_size, head_size] read in place;
+    returns [tokens, heads * head_size]. num_computed of a request is seq_len - its query count."""
+    return load_extension().paged_attention(q, cache, block_table, query_start_loc, seq_lens, window, scale)
+
+
+def reshape_and_cache_cpu(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: CpuAttentionMetadata) -> None:
+    """Write this step's k, v [tokens, kv_heads, head_size] at the slots the block table gives."""
+    load_extension().reshape_and_cache(k, v, cache, meta.block_table, meta.query_start_loc, meta.seq_lens)
+
+
+def cpu_paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: CpuAttentionMetadata, scale: float
+) -> torch.Tensor:
+    """The layer's attention: write this step's K/V, then attend over cached + new keys; [tokens, heads*head_size]."""
+    reshape_and_cache_cpu(k, v, cache, meta)
+    return paged_attention_cpu(q, cache, meta.block_table, meta.query_start_loc, meta.seq_lens, meta.window, scale)
+
+
+def build_directory() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvengine" / "torch_extensions"
+    isa = torch.backends.cpu.get_cpu_capability()
+    return base / f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}-{isa.lower()}"
+
+
+def load_extension() -> ModuleType:
+    """The compiled module: built (first use on this machine) or loaded once per process. A failure is
+    kept and raised again on every call, so a caller that falls back pays for one attempt only."""
+    module = _load_once()
+    if isinstance(module, CpuAttentionUnavailable):
+        raise module
+    return module
+
+
+@functools.cache
+def _load_once() -> ModuleType | CpuAttentionUnavailable:
+    try:
+        return _build()
+    except CpuAttentionUnavailable as e:
+        log.warning("%s", e)
+        return e
+
+
+def _build() -> ModuleType:
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise CpuAttentionUnavailable(f"no C++ compiler: {compiler!r} is not on PATH (set CXX or install g++)")
+    if not cpp_extension.is_ninja_available():
+        raise CpuAttentionUnavailable("the ninja build tool is missing (pip install ninja)")
+    folder = build_directory()
+    folder.mkdir(parents=True, exist_ok=True)
+    _remove_stale_lock(folder / "lock")
+    library = folder / f"{EXTENSION_NAME}.so"
+    before = library.stat().st_mtime_ns if library.exists() else None
+    start = time.perf_counter()
+    try:
+        module = cpp_extension.load(
+            name=EXTENSION_NAME,
+            sources=[str(SOURCE)],
+            # -fopenmp: at::parallel_for is inline and runs serially in code built without OpenMP
+            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast", *isa_flags()],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+        )
+    except (RuntimeError, OSError, ImportError) as e:
+        raise CpuAttentionUnavailable(f"building the CPU paged attention extension in {folder} failed: {e}") from e
+    how = "compiled" if library.stat().st_mtime_ns != before else "loaded the cached build"
+    log.info("CPU paged attention: %s in %.1f s (%s)", how, time.perf_counter() - start, folder)
+    return module
+
+
+def isa_flags() -> list[str]:
+    return ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    """torch's build lock waits forever on a lock left by a killed build; drop one older than STALE_LOCK_S."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale build lock %s (%.0f s old)", lock, age)
+        lock.unlink(missing_ok=True)

@@ -1,0 +1,587 @@
+// Paged attention on CPU that reads K/V in place through the block table, for a mixed batch of
+// prefill chunks (over cached prefixes) and decode tokens in one call.
+//
+// cache: [2, kv_heads, num_blocks, block_size, head_size] (K then V); the key at position p of
+// request r lives in block block_table[r][p / block_size] at offset p % block_size.
+// query_start_loc: [num_reqs + 1] int32; seq_lens: [num_reqs] int32 (keys the last query sees).
+// A query at position p sees keys [max(0, p - window + 1), p] (window -1: [0, p]).
+//
+// The work is split into items: (request, kv head, up to one vector's lanes of (query token, q head)
+// rows); the rows of one item share every K/V block they read. Items run largest first on torch's
+// intra-op threads, taken from a shared counter. Each item walks the blocks its rows can see, a block at a
+// time, with an online softmax in fp32. Keys outside [first visible key, last query] are never
+// touched, so null blocks (skipped by a sliding window) and unwritten slots are never read.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace {
+
+// Vectors through the GCC/Clang vector extension: as wide as the ISA the build targets.
+#if defined(__AVX512F__)
+constexpr int kVecBytes = 64;
+#elif defined(__AVX__)
+constexpr int kVecBytes = 32;
+#else
+constexpr int kVecBytes = 16;
+#endif
+constexpr int kLanes = kVecBytes / 4;
+typedef float vfloat __attribute__((vector_size(kVecBytes)));
+typedef int32_t vint __attribute__((vector_size(kVecBytes)));
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+inline vfloat splat(float x) { return vfloat{} + x; }
+inline vint splat_int(int32_t x) { return vint{} + x; }
+inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+inline vint iota() {
+  vint v{};
+  for (int i = 0; i < kLanes; ++i) v[i] = i;
+  return v;
+}
+
+// One step of a transposed reduction: lanes [blk*2w, blk*2w + w) of the result sum a's halves of
+// width w, lanes [blk*2w + w, (blk+1)*2w) sum b's.
+constexpr int half_lane(int w, int i, bool high) {
+  const int blk = i / (2 * w), pos = i % (2 * w);
+  return (pos < w ? blk * 2 * w + pos : kLanes + blk * 2 * w + pos - w) + (high ? w : 0);
+}
+template <int W, size_t... I>
+inline vfloat fold(vfloat a, vfloat b, std::index_sequence<I...>) {
+  return __builtin_shufflevector(a, b, half_lane(W, I, false)...) +
+         __builtin_shufflevector(a, b, half_lane(W, I, true)...);
+}
+template <int W>
+inline void fold_tree(vfloat* v) {  // 2W vectors in, W out
+  for (int i = 0; i < W; ++i) v[i] = fold<W>(v[2 * i], v[2 * i + 1], std::make_index_sequence<kLanes>{});
+  if constexpr (W > 1) fold_tree<W / 2>(v);
+}
+constexpr int bit_reverse(int i) {
+  int r = 0;
+  for (int b = 1; b < kLanes; b <<= 1) r = (r << 1) | ((i & b) ? 1 : 0);
+  return r;
+}
+template <size_t... I>
+inline vfloat bit_reverse_lanes(vfloat v, std::index_sequence<I...>) {
+  return __builtin_shufflevector(v, v, bit_reverse(I)...);
+}
+
+// Lane j of the result is the sum of v[j]'s lanes (v is overwritten): kLanes horizontal sums for
+// about the cost of one each. The folds leave the sums in bit-reversed lane order.
+inline vfloat sum_lanes(vfloat* v) {
+  fold_tree<kLanes / 2>(v);
+  return bit_reverse_lanes(v[0], std::make_index_sequence<kLanes>{});
+}
+
+// Butterfly across lanes: after the steps W = kLanes/2 .. 1 every lane holds the reduction.
+template <int W, size_t... I>
+inline vfloat swap_lanes(vfloat v, std::index_sequence<I...>) {
+  return __builtin_shufflevector(v, v, (I ^ W)...);
+}
+template <int W = kLanes / 2>
+inline float hmax(vfloat v) {
+  v = vmax(v, swap_lanes<W>(v, std::make_index_sequence<kLanes>{}));
+  if constexpr (W > 1) return hmax<W / 2>(v);
+  return v[0];
+}
+template <int W = kLanes / 2>
+inline float hsum(vfloat v) {
+  v += swap_lanes<W>(v, std::make_index_sequence<kLanes>{});
+  if constexpr (W > 1) return hsum<W / 2>(v);
+  return v[0];
+}
+
+constexpr float kMasked = -1e30f;  // score of a key a row cannot see
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// n values as fp32; bf16 a vector at a time (its bits are the high half of an fp32).
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    typedef uint16_t vbits __attribute__((vector_size(kVecBytes / 2)));
+    for (; i + kLanes <= n; i += kLanes) {
+      vbits b;
+      std::memcpy(&b, src + i, sizeof(b));
+      store(dst + i, reinterpret_cast<vfloat>(__builtin_convertvector(b, vint) << 16));
+    }
+  }
+  for (; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// exp for x <= 0 (Cephes' single-precision polynomial, ~1 ulp), lane-wise; exp(-87) and below ~ 0.
+inline vfloat exp_nonpos(vfloat x) {
+  x = vmax(x, splat(-87.0f));
+  const vint n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vint);  // round to nearest for x <= 0
+  const vfloat nf = __builtin_convertvector(n, vfloat);
+  const vfloat r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  vfloat y = splat(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  return y * reinterpret_cast<vfloat>((n + 127) << 23);
+}
+
+// acc += p * v over D floats (vectors, then a scalar tail when D is not a multiple of kLanes).
+template <int kD>
+inline void axpy(float* acc, float p, const float* v, int D) {
+  if constexpr (kD > 0) D = kD;
+  const vfloat pv = splat(p);
+  int d = 0;
+  for (; d + kLanes <= D; d += kLanes) store(acc + d, load(acc + d) + pv * load(v + d));
+  for (; d < D; ++d) acc[d] += p * v[d];
+}
+
+struct Request {
+  int64_t q_start;  // first query's row in q
+  int64_t num_computed;
+  int64_t seq_len;
+  const int32_t* blocks;  // this request's block table row
+};
+
+struct Item {
+  int32_t req;
+  int32_t token0;  // first query token, relative to the request's first query
+  int32_t num_tokens;
+  int32_t kv_head;
+  int32_t head0;  // first q head within the kv head's group
+  int32_t num_heads;
+  int64_t cost;
+};
+
+struct Shape {
+  int64_t heads, kv_heads, group, head_size, block_size, num_blocks;
+  int64_t q_token_stride, q_head_stride;
+  int64_t window;  // <= 0: none
+  float scale;
+};
+
+// One thread's scratch, reused across its items; kD == 0: head size known only at run time.
+// An item's rows (query token, q head) are kLanes at most. Wide items (prefill tiles) score a key
+// for all rows in one vector: queries transposed, one broadcast key element per step. Narrow items
+// (decodes: the heads of one kv head) take per-row dot products, kLanes keys at a time, summed
+// across lanes by a transposed reduction. Either way, per block: scores, online-softmax step, then
+// acc += p * V row by row, K and V of the blocks ahead prefetched (blocks are scattered).
+template <typename T, int kD>
+class ItemRunner {
+ public:
+  ItemRunner(const Shape& s, const T* q, const T* cache, T* out)
+      : s_(s), d_(kD > 0 ? kD : static_cast<int>(s.head_size)), q_(q), cache_(cache), out_(out),
+        key_stride_(s.block_size + kLanes),
+        prefetch_blocks_(std::clamp<int64_t>(kPrefetchBytes / (s.block_size * s.head_size * sizeof(T)), 1, 8)),
+        queries_(static_cast<size_t>(d_) * kLanes),
+        scores_(static_cast<size_t>(key_stride_) * kLanes), acc_(static_cast<size_t>(kLanes) * d_),
+        kf_(std::is_same_v<T, float> ? 0 : static_cast<size_t>(s.block_size) * d_), vf_(kf_.size()) {}
+
+  void run(const Item& it, const Request& rq) {
+    const int64_t BS = s_.block_size;
+    rows_ = it.num_tokens * it.num_heads;
+    wide_ = 2 * rows_ > kLanes;
+    int64_t lo_min = std::numeric_limits<int64_t>::max(), hi_max = -1;
+    for (int m = 0; m < kLanes; ++m) {
+      if (m < rows_) {
+        const int64_t pos = rq.num_computed + it.token0 + m / it.num_heads;
+        lo_[m] = static_cast<int32_t>(s_.window > 0 ? std::max<int64_t>(0, pos - s_.window + 1) : 0);
+        hi_[m] = static_cast<int32_t>(pos);
+        lo_min = std::min<int64_t>(lo_min, lo_[m]);
+        hi_max = std::max<int64_t>(hi_max, hi_[m]);
+      } else {
+        lo_[m] = std::numeric_limits<int32_t>::max();
+        hi_[m] = -1;
+      }
+      max_[m] = kMasked;
+      sum_[m] = 0.0f;
+    }
+    load_queries(it, rq);
+    std::fill(acc_.begin(), acc_.end(), 0.0f);
+    const int64_t D = d(), kv_stride = s_.num_blocks * BS * D;  // one kv head of K (or V)
+    const T* k_head = cache_ + it.kv_head * kv_stride;
+    const T* v_head = cache_ + (s_.kv_heads + it.kv_head) * kv_stride;
+    const int64_t first = lo_min / BS, last = hi_max / BS;
+    for (int64_t b = first; b < std::min(first + prefetch_blocks_, last + 1); ++b) {
+      prefetch(k_head + rq.blocks[b] * BS * D, BS * D);
+      prefetch(v_head + rq.blocks[b] * BS * D, BS * D);
+    }
+    for (int64_t b = first; b <= last; ++b) {
+      const int64_t base = b * BS;
+      const int j0 = static_cast<int>(std::max(lo_min, base) - base);
+      const int j1 = static_cast<int>(std::min(hi_max, base + BS - 1) - base + 1);
+      const int64_t block = rq.blocks[b];
+      if (b + prefetch_blocks_ <= last) {
+        prefetch(k_head + rq.blocks[b + prefetch_blocks_] * BS * D, BS * D);
+        prefetch(v_head + rq.blocks[b + prefetch_blocks_] * BS * D, BS * D);
+      }
+      const float* k = as_float(k_head + block * BS * D, j0, j1, kf_);
+      const float* v = as_float(v_head + block * BS * D, j0, j1, vf_);
+      if (wide_) {
+        score_wide(k, static_cast<int32_t>(base), j0, j1);
+        accumulate(v, j0, j1, 1, kLanes);
+      } else {
+        score_narrow(k, static_cast<int32_t>(base), j0, j1);
+        accumulate(v, j0, j1, key_stride_, 1);
+      }
+    }
+    store_out(it, rq);
+  }
+
+ private:
+  static constexpr int64_t kPrefetchBytes = 4096;  // of K (and as much of V) ahead of the block in use
+
+  int d() const { return kD > 0 ? kD : d_; }
+
+  template <typename U>
+  static void prefetch(const U* p, int64_t n) {
+    const char* c = reinterpret_cast<const char*>(p);
+    for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(U)); i += 64) __builtin_prefetch(c + i, 0, 2);
+  }
+
+  // Scaled queries: wide items as [D][kLanes] (padding rows zero), narrow ones as [rows][D].
+  void load_queries(const Item& it, const Request& rq) {
+    const int D = d();
+    if (wide_) std::fill(queries_.begin(), queries_.end(), 0.0f);
+    for (int m = 0; m < rows_; ++m) {
+      const int64_t token = rq.q_start + it.token0 + m / it.num_heads;
+      const int64_t head = it.kv_head * s_.group + it.head0 + m % it.num_heads;
+      const T* src = q_ + token * s_.q_token_stride + head * s_.q_head_stride;
+      for (int i = 0; i < D; ++i) {
+        queries_[wide_ ? i * kLanes + m : m * D + i] = to_float(src[i]) * s_.scale;
+      }
+    }
+  }
+
+  // Keys [j0, j1) of a block as fp32: the cache itself for fp32, else converted into scratch.
+  const float* as_float(const T* src, int j0, int j1, std::vector<float>& buf) {
+    if constexpr (std::is_same_v<T, float>) {
+      return src;
+    } else {
+      const int64_t D = d();
+      to_float(src + j0 * D, buf.data() + j0 * D, (j1 - j0) * D);
+      return buf.data();
+    }
+  }
+
+  // scores_[j * kLanes + row] for keys [j0, j1), masked; then the online-softmax step for all rows.
+  void score_wide(const float* k, int32_t base, int j0, int j1) {
+    const int D = d();
+    const vint lo = load_int(lo_), hi = load_int(hi_);
+    vfloat block_max = splat(kMasked);
+    int j = j0;
+    for (; j + 4 <= j1; j += 4) {  // four keys per pass over the queries: fewer loads per FMA
+      const float* kj = k + static_cast<int64_t>(j) * D;
+      vfloat s0{}, s1{}, s2{}, s3{};
+      for (int i = 0; i < D; ++i) {
+        const vfloat qi = load(queries_.data() + i * kLanes);
+        s0 += qi * kj[i];
+        s1 += qi * kj[D + i];
+        s2 += qi * kj[2 * D + i];
+        s3 += qi * kj[3 * D + i];
+      }
+      block_max = vmax(block_max, mask_and_store(s0, base, j, lo, hi));
+      block_max = vmax(block_max, mask_and_store(s1, base, j + 1, lo, hi));
+      block_max = vmax(block_max, mask_and_store(s2, base, j + 2, lo, hi));
+      block_max = vmax(block_max, mask_and_store(s3, base, j + 3, lo, hi));
+    }
+    for (; j < j1; ++j) {
+      const float* kj = k + static_cast<int64_t>(j) * D;
+      vfloat s{};
+      for (int i = 0; i < D; ++i) s += load(queries_.data() + i * kLanes) * kj[i];
+      block_max = vmax(block_max, mask_and_store(s, base, j, lo, hi));
+    }
+    const vfloat old_max = load(max_), new_max = vmax(old_max, block_max);
+    const vfloat alpha = exp_nonpos(old_max - new_max);
+    vfloat sum = load(sum_) * alpha;
+    for (int j = j0; j < j1; ++j) {
+      const vfloat x = load(scores_.data() + j * kLanes);
+      const vfloat p = x == kMasked ? vfloat{} : exp_nonpos(x - new_max);
+      sum += p;
+      store(scores_.data() + j * kLanes, p);
+    }
+    store(max_, new_max);
+    store(alpha_, alpha);
+    store(sum_, sum);
+  }
+
+  vfloat mask_and_store(vfloat s, int32_t base, int j, vint lo, vint hi) {
+    const vint pos = splat_int(base + j);
+    s = (pos >= lo) & (pos <= hi) ? s : splat(kMasked);
+    store(scores_.data() + j * kLanes, s);
+    return s;
+  }
+
+  // scores_[row * key_stride_ + j]: per row, kLanes keys at a time; then that row's softmax step.
+  void score_narrow(const float* k, int32_t base, int j0, int j1) {
+    const int D = d();
+    for (int m = 0; m < rows_; ++m) {
+      const float* q = queries_.data() + m * D;
+      float* sc = scores_.data() + m * key_stride_;
+      vfloat block_max = splat(kMasked);
+      for (int jc = j0; jc < j1; jc += kLanes) {
+        vfloat part[kLanes];
+        for (int i = 0; i < kLanes; ++i) {
+          part[i] = jc + i < j1 ? partial_dot(q, k + static_cast<int64_t>(jc + i) * D) : vfloat{};
+        }
+        vfloat x = sum_lanes(part);
+        const vint pos = splat_int(base + jc) + iota();
+        x = (pos >= lo_[m]) & (pos <= hi_[m]) & (pos < base + j1) ? x : splat(kMasked);
+        block_max = vmax(block_max, x);
+        store(sc + jc, x);
+      }
+      const float new_max = std::max(max_[m], hmax(block_max));
+      alpha_[m] = std::exp(max_[m] - new_max);
+      max_[m] = new_max;
+      vfloat sum{};
+      for (int jc = j0; jc < j1; jc += kLanes) {
+        const vfloat x = load(sc + jc);
+        const vfloat p = x == kMasked ? vfloat{} : exp_nonpos(x - new_max);
+        sum += p;
+        store(sc + jc, p);
+      }
+      sum_[m] = sum_[m] * alpha_[m] + hsum(sum);
+    }
+  }
+
+  // Lane-wise products of q and k summed over D's vector chunks (a tail, if any, into lane 0).
+  vfloat partial_dot(const float* q, const float* k) const {
+    const int D = d();
+    vfloat acc{};
+    int i = 0;
+    for (; i + kLanes <= D; i += kLanes) acc += load(q + i) * load(k + i);
+    for (; i < D; ++i) acc[0] += q[i] * k[i];
+    return acc;
+  }
+
+  // acc[row] = alpha[row] * acc[row] + sum_j p(row, j) V[j], with p(row, j) at
+  // scores_[row * row_stride + j * key_stride] (wide items: 1, kLanes; narrow ones: key_stride_, 1).
+  void accumulate(const float* v, int j0, int j1, int row_stride, int key_stride) {
+    const int D = d();
+    for (int m = 0; m < rows_; ++m) {
+      float* acc = acc_.data() + static_cast<int64_t>(m) * D;
+      const float* p = scores_.data() + m * row_stride;
+      const float a = alpha_[m];
+      if constexpr (kD > 0 && kD % kLanes == 0) {  // the row's accumulator stays in registers
+        vfloat r[kD / kLanes];
+        for (int c = 0; c < kD / kLanes; ++c) r[c] = load(acc + c * kLanes) * a;
+        for (int j = j0; j < j1; ++j) {
+          const vfloat pj = splat(p[j * key_stride]);
+          const float* vj = v + static_cast<int64_t>(j) * kD;
+          for (int c = 0; c < kD / kLanes; ++c) r[c] += pj * load(vj + c * kLanes);
+        }
+        for (int c = 0; c < kD / kLanes; ++c) store(acc + c * kLanes, r[c]);
+      } else {
+        for (int i = 0; i < D; ++i) acc[i] *= a;
+        for (int j = j0; j < j1; ++j) axpy<kD>(acc, p[j * key_stride], v + static_cast<int64_t>(j) * D, D);
+      }
+    }
+  }
+
+  void store_out(const Item& it, const Request& rq) {
+    const int D = d();
+    for (int m = 0; m < rows_; ++m) {
+      const int64_t token = rq.q_start + it.token0 + m / it.num_heads;
+      const int64_t head = it.kv_head * s_.group + it.head0 + m % it.num_heads;
+      T* dst = out_ + (token * s_.heads + head) * D;
+      const float inv = 1.0f / sum_[m];
+      const float* acc = acc_.data() + static_cast<int64_t>(m) * D;
+      for (int i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[i] * inv);
+    }
+  }
+
+  static vint load_int(const int32_t* p) {
+    vint v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  }
+
+  const Shape& s_;
+  const int d_;
+  const T* q_;
+  const T* cache_;
+  T* out_;
+  const int key_stride_;  // narrow scores: a row's keys, padded to whole vectors
+  const int64_t prefetch_blocks_;
+  std::vector<float> queries_, scores_, acc_, kf_, vf_;
+  int rows_ = 0;
+  bool wide_ = false;
+  int32_t lo_[kLanes], hi_[kLanes];  // per row: first and last visible key position
+  float max_[kLanes], sum_[kLanes], alpha_[kLanes];
+};
+
+// Items of one request: its query tokens in tiles, per kv head (and per head chunk when the group
+// is wider than kLanes). Cost ~ rows x keys seen, to run the largest first.
+void add_items(std::vector<Item>& items, const Shape& s, int32_t r, int64_t num_queries, int64_t num_computed) {
+  const int64_t heads_per_item = std::min<int64_t>(s.group, kLanes);
+  const int64_t tokens_per_item = std::max<int64_t>(1, kLanes / heads_per_item);
+  for (int64_t t0 = 0; t0 < num_queries; t0 += tokens_per_item) {
+    const int64_t nt = std::min(tokens_per_item, num_queries - t0);
+    const int64_t last = num_computed + t0 + nt - 1;
+    const int64_t first = s.window > 0 ? std::max<int64_t>(0, num_computed + t0 - s.window + 1) : 0;
+    for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
+      for (int64_t h0 = 0; h0 < s.group; h0 += heads_per_item) {
+        const int64_t nh = std::min(heads_per_item, s.group - h0);
+        items.push_back({r, static_cast<int32_t>(t0), static_cast<int32_t>(nt), static_cast<int32_t>(kvh),
+                         static_cast<int32_t>(h0), static_cast<int32_t>(nh), (last - first + 1) * (nt * nh + 4)});
+      }
+    }
+  }
+}
+
+// Requests from the metadata, checked: every block the call touches (the visible keys' blocks, or
+// with new_only the new tokens' blocks) is a real block, not the null block 0.
+std::vector<Request> read_requests(const at::Tensor& block_table, const at::Tensor& query_start_loc,
+                                   const at::Tensor& seq_lens, int64_t num_tokens, const Shape& s,
+                                   bool new_only) {
+  TORCH_CHECK(block_table.is_cpu() && query_start_loc.is_cpu() && seq_lens.is_cpu(), "metadata must be on the CPU");
+  TORCH_CHECK(block_table.dtype() == at::kInt && query_start_loc.dtype() == at::kInt &&
+                  seq_lens.dtype() == at::kInt,
+              "block_table, query_start_loc and seq_lens must be int32");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.stride(1) == 1,
+              "block_table must be [num_reqs, max_blocks], rows contiguous");
+  const int64_t num_reqs = seq_lens.numel();
+  TORCH_CHECK(query_start_loc.numel() == num_reqs + 1, "query_start_loc must have num_reqs + 1 entries");
+  TORCH_CHECK(block_table.size(0) >= num_reqs, "block_table has fewer rows than requests");
+  auto qsl = query_start_loc.contiguous();
+  auto lens = seq_lens.contiguous();
+  const int32_t* qs = qsl.data_ptr<int32_t>();
+  const int32_t* sl = lens.data_ptr<int32_t>();
+  TORCH_CHECK(qs[0] == 0 && qs[num_reqs] == num_tokens, "query_start_loc must run from 0 to the number of tokens");
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  std::vector<Request> reqs(num_reqs);
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t nq = qs[r + 1] - qs[r];
+    TORCH_CHECK(nq >= 0 && sl[r] >= nq, "request ", r, ": ", nq, " queries but seq_len ", sl[r]);
+    TORCH_CHECK(sl[r] <= block_table.size(1) * s.block_size, "request ", r, ": seq_len ", sl[r],
+                " exceeds its block table row");
+    const int64_t nc = sl[r] - nq;
+    const int32_t* row = table + r * block_table.stride(0);
+    const int64_t first = new_only ? nc : s.window > 0 ? std::max<int64_t>(0, nc - s.window + 1) : 0;
+    for (int64_t c = first / s.block_size; nq > 0 && c <= (sl[r] - 1) / s.block_size; ++c) {
+      TORCH_CHECK(row[c] > 0 && row[c] < s.num_blocks, "request ", r, ": block table column ", c, " holds block ",
+                  row[c], ", not a real block (1..", s.num_blocks - 1, ")");
+    }
+    reqs[r] = {qs[r], nc, sl[r], row};
+  }
+  return reqs;
+}
+
+Shape read_shape(const at::Tensor& q, const at::Tensor& cache, int64_t window, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "paged_attention_cpu: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [tokens, heads, head_size] with contiguous heads");
+  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous(),
+              "cache must be a contiguous [2, kv_heads, num_blocks, block_size, head_size] tensor");
+  TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "q and cache must share a dtype");
+  TORCH_CHECK(q.size(2) == cache.size(4), "q and cache head sizes differ");
+  TORCH_CHECK(q.size(1) % cache.size(1) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(window == -1 || window > 0, "window must be -1 (none) or positive");
+  return {q.size(1), cache.size(1), q.size(1) / cache.size(1), q.size(2), cache.size(3), cache.size(2),
+          q.stride(0), q.stride(1), window, static_cast<float>(scale)};
+}
+
+template <typename T, int kD>
+void run_items(const Shape& s, const std::vector<Item>& items, const std::vector<Request>& reqs, const T* q,
+               const T* cache, T* out) {
+  std::atomic<size_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      ItemRunner<T, kD> runner(s, q, cache, out);
+      for (size_t i = next.fetch_add(1); i < items.size(); i = next.fetch_add(1)) {
+        runner.run(items[i], reqs[items[i].req]);
+      }
+    }
+  });
+}
+
+template <typename T>
+void dispatch_head_size(const Shape& s, const std::vector<Item>& items, const std::vector<Request>& reqs,
+                        const T* q, const T* cache, T* out) {
+  switch (s.head_size) {
+    case 32: return run_items<T, 32>(s, items, reqs, q, cache, out);
+    case 64: return run_items<T, 64>(s, items, reqs, q, cache, out);
+    case 128: return run_items<T, 128>(s, items, reqs, q, cache, out);
+    default: return run_items<T, 0>(s, items, reqs, q, cache, out);
+  }
+}
+
+}  // namespace
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
+                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t window,
+                              double scale) {
+  const Shape s = read_shape(q, cache, window, scale);
+  const std::vector<Request> reqs = read_requests(block_table, query_start_loc, seq_lens, q.size(0), s, false);
+  std::vector<Item> items;
+  for (int32_t r = 0; r < static_cast<int32_t>(reqs.size()); ++r) {
+    add_items(items, s, r, reqs[r].seq_len - reqs[r].num_computed, reqs[r].num_computed);
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  auto out = at::empty({q.size(0), s.heads * s.head_size}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
+    dispatch_head_size<scalar_t>(s, items, reqs, q.data_ptr<scalar_t>(), cache.data_ptr<scalar_t>(),
+                                 out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+// Writes this step's K/V ([tokens, kv_heads, head_size]) at their slots, found through the block table.
+void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
+                       const at::Tensor& block_table, const at::Tensor& query_start_loc,
+                       const at::Tensor& seq_lens) {
+  TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.sizes() == k.sizes() && v.stride(2) == 1,
+              "k and v must be [tokens, kv_heads, head_size] with contiguous heads");
+  TORCH_CHECK(k.scalar_type() == cache.scalar_type() && v.scalar_type() == cache.scalar_type(),
+              "k, v and cache must share a dtype");
+  const Shape s = read_shape(k, cache, -1, 1.0);
+  TORCH_CHECK(k.size(1) == s.kv_heads, "k must have the cache's kv heads");
+  const std::vector<Request> reqs = read_requests(block_table, query_start_loc, seq_lens, k.size(0), s, true);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "reshape_and_cache_cpu", [&] {
+    const int64_t D = s.head_size, BS = s.block_size, kv_stride = s.num_blocks * BS * D;
+    scalar_t* dst = cache.data_ptr<scalar_t>();
+    const scalar_t* ks = k.data_ptr<scalar_t>();
+    const scalar_t* vs = v.data_ptr<scalar_t>();
+    at::parallel_for(0, static_cast<int64_t>(reqs.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const Request& rq = reqs[r];
+        for (int64_t t = 0; t < rq.seq_len - rq.num_computed; ++t) {
+          const int64_t pos = rq.num_computed + t;
+          const int64_t slot = static_cast<int64_t>(rq.blocks[pos / BS]) * BS + pos % BS;
+          for (int64_t h = 0; h < s.kv_heads; ++h) {
+            const int64_t src = (rq.q_start + t) * s.q_token_stride + h * s.q_head_stride;
+            std::copy_n(ks + src, D, dst + h * kv_stride + slot * D);
+            std::copy_n(vs + (rq.q_start + t) * v.stride(0) + h * v.stride(1), D,
+                        dst + (s.kv_heads + h) * kv_stride + slot * D);
+          }
+        }
+      }
+    });
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention over the block table, [tokens, heads * head_size]",
+        py::arg("q"), py::arg("cache"), py::arg("block_table"), py::arg("query_start_loc"), py::arg("seq_lens"),
+        py::arg("window"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+  m.def("reshape_and_cache", &reshape_and_cache, "write K/V at the slots the block table gives", py::arg("k"),
+        py::arg("v"), py::arg("cache"), py::arg("block_table"), py::arg("query_start_loc"), py::arg("seq_lens"),
+        py::call_guard<py::gil_scoped_release>());
+}
