@@ -5,6 +5,7 @@ and a client that disconnects has its requests aborted. Messages are decoded as 
 queued; the engine loop applies them between steps.
 """
 
+import contextlib
 import logging
 import time
 from typing import Annotated
@@ -86,7 +87,8 @@ class ClientRouter:
             except zmq.Again:
                 return
             identity = frames[0].bytes
-            self.fd_to_client[frames[-1].get(zmq.SRCFD)] = identity
+            with contextlib.suppress(zmq.ZMQError):  # a legacy ZMTP/1.0 peer's frames carry no source fd
+                self.fd_to_client[frames[-1].get(zmq.SRCFD)] = identity
             if len(frames) != 2:
                 logger.warning("Dropped a malformed client message: expected 2 frames, got %d", len(frames))
                 continue

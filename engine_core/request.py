@@ -4,6 +4,7 @@ import enum
 from collections.abc import Callable
 
 from protocol import SamplingParams
+from protocol.messages import FinishReason
 
 
 class RequestStatus(enum.IntEnum):
@@ -21,7 +22,7 @@ class RequestStatus(enum.IntEnum):
         return status > RequestStatus.PREEMPTED
 
 
-FINISH_REASON = {
+FINISH_REASON: dict[RequestStatus, FinishReason] = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",

@@ -8,7 +8,7 @@ import msgspec
 from protocol.kv_cache_spec import KVCacheConfig, KVCacheSpec
 from protocol.sampling import SamplingParams
 
-_struct = dict(array_like=True, omit_defaults=True)
+_struct = {"array_like": True, "omit_defaults": True}
 
 # ---- client -> engine core ------------------------------------------------------------------
 
