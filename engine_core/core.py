@@ -6,7 +6,7 @@ import time
 import msgspec
 
 from engine_core.executor_interface import Executor
-from engine_core.kv_cache.planning import GiB, KVCacheSizingError, capacity_line, get_kv_cache_config
+from engine_core.kv_cache.planning import KVCacheSizingError, capacity_line, get_kv_cache_config
 from engine_core.scheduler import Scheduler
 from protocol import (
     EngineCoreOutput,
@@ -18,6 +18,7 @@ from protocol import (
     WorkerKVReport,
 )
 from protocol.config import EngineConfig
+from protocol.sizes import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def plan_kv_cache(config: EngineConfig, reports: list[WorkerKVReport]) -> tuple[
         )
     override = config.cache.num_gpu_blocks_override
     for r in reports:
-        logger.info("Rank %d can give the KV cache %.3f GiB (%s)", r.rank, r.available_kv_bytes / GiB, r.memory_detail)
+        logger.info("Rank %d can give the KV cache %s (%s)", r.rank, format_bytes(r.available_kv_bytes), r.memory_detail)
     kv_cache_config = get_kv_cache_config(
         specs,
         [r.available_kv_bytes for r in reports],

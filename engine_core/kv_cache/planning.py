@@ -14,8 +14,6 @@ from protocol.kv_cache_spec import (
 )
 from protocol.sizes import format_bytes
 
-GiB = 1 << 30
-
 
 def get_kv_cache_groups(kv_cache_specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
     try:

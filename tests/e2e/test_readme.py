@@ -219,6 +219,8 @@ def run_python(unit: str, ctx: Context) -> None:
 RULES: dict[str, Callable[[str, Context], None] | str] = {
     r"pip install ": "installs packages: .ci/run installs the project the way the README says",
     r"python -m pytest": "runs this test suite itself",
+    r"ruff check ": "lints the packages: .ci/run runs the same command before the tests",
+    r"mypy$": "type-checks the packages: .ci/run runs the same command before the tests",
     r"kvengine bench$": run_bench,
     r"```text\n client\(s\)": "a diagram",
     r"kvengine serve --address ": run_readme_server,
