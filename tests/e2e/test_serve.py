@@ -104,7 +104,7 @@ def test_block_count_is_the_minimum_across_ranks(start_server):
     asyncio.run(server.wait_ready())
     log = server.output()
     assert "KV cache: 64 blocks" in log, log
-    assert "Rank 0 can give the KV cache 0.004 GiB" in log and "Rank 1 can give the KV cache 0.002 GiB" in log
+    assert "Rank 0 can give the KV cache 4 MiB" in log and "Rank 1 can give the KV cache 2 MiB" in log
 
 
 def test_sigterm_stops_every_process_and_leaves_no_files(start_server):
