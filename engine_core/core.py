@@ -3,8 +3,6 @@
 import logging
 import time
 
-import msgspec
-
 from engine_core.executor_interface import Executor
 from engine_core.kv_cache.planning import KVCacheSizingError, capacity_line, get_kv_cache_config
 from engine_core.scheduler import Scheduler
@@ -69,8 +67,7 @@ class EngineCore:
         self.executor = executor
         reports = executor.determine_available_memory()
         self.max_model_len, self.kv_cache_config = plan_kv_cache(config, reports)
-        self.config = msgspec.structs.replace(
-            config, model=msgspec.structs.replace(config.model, max_model_len=self.max_model_len))
+        self.config = config
         executor.initialize_kv_cache(self.kv_cache_config)
         self.scheduler = Scheduler(self.config, self.kv_cache_config, self.max_model_len,
                                    reports[0].eos_token_ids, reports[0].vocab_size)
