@@ -1,6 +1,7 @@
 """Prometheus metrics of the engine core, named after vLLM's where the meaning is the same, and their endpoint."""
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -8,12 +9,17 @@ from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
+from engine_core.safe_log import safe_for_log
 from protocol import EngineCoreOutput, SchedulerStats
+
+logger = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT = 10.0  # seconds a connection has to send its request and take the answer
 MAX_CONNECTIONS = 64  # a new connection beyond this many drops the oldest
 MAX_HEAD_BYTES = 16384  # request line and headers
 BAD_REQUEST: tuple[str, list[tuple[str, str]], bytes] = ("400 Bad Request", [], b"# HTTP 400: no request line\n")
+SERVER_ERROR: tuple[str, list[tuple[str, str]], bytes] = ("500 Internal Server Error", [],
+                                                          b"# HTTP 500: the metrics could not be rendered\n")
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0)
 
@@ -155,7 +161,11 @@ class MetricsServer:
                 name, _, value = line.partition(":")
                 if name:
                     environ["HTTP_" + name.strip().upper().replace("-", "_")] = value.strip()
-            status, headers, body = call_wsgi(self.app, environ)
+            try:
+                status, headers, body = call_wsgi(self.app, environ)
+            except Exception as e:  # noqa: BLE001 -- prometheus_client raises on some headers (Accept: x; version=abc)
+                logger.warning("Metrics request failed: %s", safe_for_log(f"{type(e).__name__}: {e}"))
+                status, headers, body = SERVER_ERROR
         head = [f"HTTP/1.1 {status}", *(f"{k}: {v}" for k, v in headers), f"Content-Length: {len(body)}",
                 "Connection: close", "", ""]
         writer.write("\r\n".join(head).encode("latin-1") + body)

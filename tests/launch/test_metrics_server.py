@@ -108,6 +108,9 @@ def test_http_details(metrics):
     with connect(port) as sock:
         sock.sendall(b"nonsense\r\n\r\n")
         assert sock.recv(1024).startswith(b"HTTP/1.1 400 Bad Request")
+    with connect(port) as sock:  # prometheus_client raises a TypeError on this header
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nAccept: text/plain; version=abc\r\n\r\n")
+        assert sock.recv(1024).startswith(b"HTTP/1.1 500 Internal Server Error")
     with connect(port) as sock:
         sock.sendall(b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 20000)  # a head over the limit
         assert closed_by_server(sock)
