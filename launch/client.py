@@ -182,24 +182,31 @@ class AsyncEngineClient:
             raise EngineDeadError(self._dead)
 
     async def _read_outputs(self) -> None:
-        while True:
-            message = await self._sock.recv()
-            self._seen = True
-            try:
-                outputs = self._outputs_codec.decode(message)
-            except ProtocolError as e:
-                logger.error("Dropped a malformed message from the server: %s", e)
-                continue
-            for out in outputs.outputs:
-                queue = self._queues.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(RequestOutput(
-                        out.request_id, out.new_token_ids, out.finish_reason, out.num_cached_tokens, out.error
-                    ))
-            if outputs.stats is not None and self._stats_waiters:
-                self._stats_waiters.pop(0).set_result(outputs.stats)
-            if outputs.reset_prefix_cache is not None and self._reset_waiters:
-                self._reset_waiters.pop(0).set_result(outputs.reset_prefix_cache)
+        """Hand each output to its waiter; if this ever fails, every waiter gets EngineDeadError, none hangs."""
+        try:
+            while True:
+                self._dispatch(await self._sock.recv())
+        except Exception as e:
+            logger.exception("The client's reader failed")
+            self._fail(f"the client stopped reading from {self.address}: {e!r}")
+
+    def _dispatch(self, message: bytes) -> None:
+        self._seen = True
+        try:
+            outputs = self._outputs_codec.decode(message)
+        except ProtocolError as e:
+            logger.error("Dropped a malformed message from the server: %s", e)
+            return
+        for out in outputs.outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(RequestOutput(
+                    out.request_id, out.new_token_ids, out.finish_reason, out.num_cached_tokens, out.error
+                ))
+        if outputs.stats is not None:
+            _answer_first(self._stats_waiters, outputs.stats)
+        if outputs.reset_prefix_cache is not None:
+            _answer_first(self._reset_waiters, outputs.reset_prefix_cache)
 
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
         """A dropped connection with requests in flight means the server is gone."""
@@ -219,6 +226,15 @@ class AsyncEngineClient:
                 waiter.set_exception(EngineDeadError(message))
         self._stats_waiters.clear()
         self._reset_waiters.clear()
+
+
+def _answer_first(waiters: list[asyncio.Future], value: object) -> None:
+    """Answer the oldest waiter still waiting (a cancelled call's answer goes to the next one)."""
+    while waiters:
+        waiter = waiters.pop(0)
+        if not waiter.done():
+            waiter.set_result(value)
+            return
 
 
 def install_uvloop() -> None:
