@@ -34,9 +34,13 @@ class ModelConfig(_Area, frozen=True):
         "local Hugging Face folder (config.json + safetensors) or a GGUF file; "
         "default: the built-in tiny model (random weights, no download)")] = None
     dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], setting(
-        "weights and KV cache; auto: float32 on CPU, bfloat16 on CUDA")] = "auto"
+        "weights and KV cache; auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, float32 on other CPUs")] = "auto"
     max_model_len: Annotated[PositiveInt | None, setting(
         "longest prompt + output in tokens; default: the model's max_position_embeddings")] = None
+    attention_backend: Annotated[Literal["auto", "cpu", "torch"], setting(
+        "attention over the paged cache. cpu: a C++ kernel that reads K/V in place through the block tables "
+        "(compiled on first use, cached under ~/.cache/kvengine); torch: gather + SDPA, any device, the reference; "
+        "auto: cpu on CPU (torch if the kernel cannot be built), torch on CUDA")] = "auto"
 
 
 class CacheConfig(_Area, frozen=True):

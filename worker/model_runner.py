@@ -7,7 +7,8 @@ import torch
 from protocol import KVCacheConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput
 from protocol.kv_cache_spec import num_skipped_blocks
 from protocol.sizes import cdiv
-from worker.attention import DECODE_CHUNK_BYTES, GatherBuffer, StepRequests, build_metadata
+from worker.attention import StepRequests
+from worker.attention_backends import Attention, CpuKernelAttention, TorchAttention, resolve_backend
 from worker.block_table import BlockTableMismatch, BlockTables
 from worker.model.llama import LlamaModel
 from worker.sampler import sample
@@ -21,8 +22,10 @@ class RequestState:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, max_num_seqs: int, max_model_len: int, check_block_tables: bool):
+    def __init__(self, model: LlamaModel, max_num_seqs: int, max_model_len: int, check_block_tables: bool,
+                 attention_backend: str = "auto"):
         self.model, self.tp = model, model.tp
+        self.attention_backend = resolve_backend(attention_backend, model.embed.weight.device)
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.check_block_tables = check_block_tables
         self.requests: dict[str, RequestState] = {}
@@ -53,9 +56,10 @@ class ModelRunner:
         self._check_windows(groups)
         max_blocks = cdiv(self.max_model_len, self.block_size)
         self.tables = BlockTables(len(groups), self.max_num_seqs, max_blocks, device)
-        self.kv_bytes_per_token = 2 * m.kv_heads_per_rank * m.cfg.head_dim * torch.finfo(dtype).bits // 8
-        buffer_tokens = max(max_blocks * self.block_size, DECODE_CHUNK_BYTES // self.kv_bytes_per_token)
-        self.buffer = GatherBuffer(buffer_tokens, m.kv_heads_per_rank, m.cfg.head_dim, dtype, device)
+        self.attention: Attention = (
+            CpuKernelAttention(self.block_size) if self.attention_backend == "cpu"
+            else TorchAttention(self.block_size, self.max_model_len, m.kv_heads_per_rank, m.cfg.head_dim, dtype, device)
+        )
         self.device = device
 
     def _check_windows(self, groups) -> None:
@@ -133,7 +137,7 @@ class ModelRunner:
             token_rows=torch.repeat_interleave(rows, counts_t),
         )
         metas = [
-            build_metadata(t.table, self.block_size, w, reqs, self.kv_bytes_per_token)
+            self.attention.metadata(t.table, w, reqs)
             for t, w in zip(self.tables.groups, self.windows, strict=True)
         ]
         hidden = self.model.forward(
@@ -141,7 +145,7 @@ class ModelRunner:
             reqs.positions,
             [self.kv_tensors[j] for _, j in self.layer_slots],
             [metas[g] for g, _ in self.layer_slots],
-            self.buffer,
+            self.attention,
         )
         return self._sample(batch, hidden, reqs, samplers)
 

@@ -1,5 +1,6 @@
 """One worker rank: loads its model shard, sizes the KV cache, executes SchedulerOutputs."""
 
+import functools
 import logging
 
 import torch
@@ -33,12 +34,24 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto': bfloat16 on CUDA, float32 on CPU (CPU bfloat16 matmuls are slow here and lose parity)."""
+    """'auto': bfloat16 on CUDA and on CPUs with bf16 instructions (oneDNN runs its matmuls at about twice
+    the fp32 rate there), float32 on other CPUs (emulated bf16 is slower than fp32)."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
+
+
+@functools.cache
+def cpu_has_bf16() -> bool:
+    """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo's flags (False where there is no such file)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next(line for line in cpuinfo if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _check_cuda_build() -> None:
@@ -72,7 +85,8 @@ class Worker:
         self.model = LlamaModel(cfg, weights, self.tp, self.max_model_len, self.dtype, self.device)
         self.weights_bytes = self._allocated() - weights_before
         self.runner = ModelRunner(self.model, config.scheduler.max_num_seqs, self.max_model_len,
-                                  config.scheduler.check_block_tables)
+                                  config.scheduler.check_block_tables, config.model.attention_backend)
+        log.info("rank %d: %s, attention backend %s", rank, str(self.dtype).removeprefix("torch."), self.runner.attention_backend)
 
     def _allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
@@ -126,7 +140,7 @@ class Worker:
         lengths = [per_req] * (total // per_req) + ([total % per_req] if total % per_req else [])
         blocks_per_req = [cdiv(n, self.block_size) for n in lengths]
         groups = [KVCacheGroupSpec([name], spec) for name, spec in self.kv_cache_specs().items()]
-        scratch = ModelRunner(self.model, len(lengths), self.max_model_len, False)
+        scratch = ModelRunner(self.model, len(lengths), self.max_model_len, False, self.runner.attention_backend)
         scratch.init_kv_cache(KVCacheConfig(sum(blocks_per_req) + 1, groups), self.dtype, self.device)
         scratch.execute_model(_profile_output(lengths, blocks_per_req, len(groups)))
 

@@ -7,8 +7,9 @@ from worker.inproc_executor import InProcExecutor
 
 
 def in_process_greedy(prompts: list[list[int]], params: SamplingParams, max_model_len: int = 512,
-                      kv_cache_memory_bytes: int = 8 << 20, model: str | None = None) -> list[list[int]]:
-    config = engine_config(model=model, max_model_len=max_model_len, check_block_tables=True,
+                      kv_cache_memory_bytes: int = 8 << 20, model: str | None = None,
+                      dtype: str = "auto") -> list[list[int]]:
+    config = engine_config(model=model, dtype=dtype, max_model_len=max_model_len, check_block_tables=True,
                            kv_cache_memory_bytes=[kv_cache_memory_bytes])
     core = EngineCore(config, InProcExecutor(config))
     try:

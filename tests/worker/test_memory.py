@@ -61,11 +61,11 @@ def test_budget_below_one_block_names_the_terms_in_readable_units():
 
 def test_worker_refuses_a_budget_without_room_for_one_block():
     with pytest.raises(KVCacheSizingError, match="one block needs 64 KiB but the KV cache budget is 1000 B"):
-        Worker(engine_config(kv_cache_memory_bytes=[1000])).report_kv()
+        Worker(engine_config(kv_cache_memory_bytes=[1000], dtype="float32")).report_kv()
 
 
 def test_worker_cpu_default_budget_follows_the_settings():
-    report = Worker(engine_config(max_model_len=64, max_num_seqs=3)).report_kv()
+    report = Worker(engine_config(max_model_len=64, max_num_seqs=3, dtype="float32")).report_kv()
     assert report.available_kv_bytes == (3 * 64 // 16 + 1) * TINY_BLOCK  # 3 requests of 4 blocks + the null block
     assert report.memory_detail.startswith("CPU default: room for 3 requests of 64 tokens = 832 KiB (under the cap")
 
@@ -82,7 +82,7 @@ def test_device_cuda_on_a_cpu_only_torch_is_one_clear_error():
 
 
 def test_ranks_with_different_budgets_the_smaller_wins():
-    reports = [Worker(engine_config(kv_cache_memory_bytes=[b], max_model_len=64)).report_kv() for b in (40 << 20, 10 << 20)]
+    reports = [Worker(engine_config(kv_cache_memory_bytes=[b], max_model_len=64, dtype="float32")).report_kv() for b in (40 << 20, 10 << 20)]
     cfg = get_kv_cache_config(reports[0].kv_cache_specs, [r.available_kv_bytes for r in reports], 64, 64)
     assert cfg.num_blocks == (10 << 20) // 65536
 

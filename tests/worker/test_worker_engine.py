@@ -38,6 +38,7 @@ def test_engine_with_preemption_and_prefix_cache_matches_transformers(name, num_
     first = prompts([70, 45, 33, 52, 20, 64], seed=4)
     second = [first[0][:48] + [9, 9], first[3] + [1, 2, 3]]
     config = engine_config(
+        dtype="float32",
         model=str(folder),
         max_model_len=96,
         max_num_seqs=8,
@@ -64,7 +65,7 @@ def test_seeded_sampling_survives_preemption(tmp_path):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=MAX_NEW, ignore_eos=True)
     results, preemptions = [], []
     for num_blocks in (12, 64):
-        config = engine_config(model=str(folder), max_model_len=96, max_num_batched_tokens=48,
+        config = engine_config(model=str(folder), dtype="float32", max_model_len=96, max_num_batched_tokens=48,
                                kv_cache_memory_bytes=[1 << 24], num_gpu_blocks_override=num_blocks)
         engine = EngineCore(config, InProcExecutor(config))
         results.append(run_engine(engine, [batch], params))

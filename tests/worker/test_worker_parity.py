@@ -55,10 +55,18 @@ def family(request, tmp_path_factory):
 
 
 DEVICE = os.environ.get("KVENGINE_TEST_DEVICE", "cpu")  # bench/gpu_check.sh runs these on cuda
+# The in-place C++ kernel is CPU-only; on CUDA both names resolve to the torch path.
+BACKENDS = ["cpu", "torch"] if DEVICE == "cpu" else ["torch"]
 
 
-def make_worker(folder, **kw):
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+def make_worker(folder, backend, **kw):
     w = Worker(engine_config(
+        attention_backend=backend,
         model=str(folder),
         device=DEVICE,
         dtype="float32",
@@ -67,26 +75,27 @@ def make_worker(folder, **kw):
         check_block_tables=True,
         **kw,
     ))
+    assert w.runner.attention_backend == backend
     cfg = kv_config(w, 256)
     w.init_kv_cache(cfg)
     return w, cfg
 
 
-def test_ragged_batch_matches_transformers(family):
+def test_ragged_batch_matches_transformers(family, backend):
     folder, expected = family
-    w, cfg = make_worker(folder)
+    w, cfg = make_worker(folder, backend)
     assert Driver(w, cfg).run(RAGGED, MAX_NEW) == expected
 
 
-def test_chunked_prefill_matches_transformers(family):
+def test_chunked_prefill_matches_transformers(family, backend):
     folder, expected = family
-    w, cfg = make_worker(folder)
+    w, cfg = make_worker(folder, backend)
     assert Driver(w, cfg, chunk=7).run(RAGGED, MAX_NEW) == expected
 
 
-def test_second_wave_on_cached_prefix_blocks_matches_transformers(family):
+def test_second_wave_on_cached_prefix_blocks_matches_transformers(family, backend):
     folder, _ = family
-    w, cfg = make_worker(folder)
+    w, cfg = make_worker(folder, backend)
     driver = Driver(w, cfg)
     first = prompts([40, 75], seed=2)
     second = [first[0][:35] + [7, 8, 9], first[1] + [11] * 5, first[1][:64] + [5]]
@@ -95,7 +104,7 @@ def test_second_wave_on_cached_prefix_blocks_matches_transformers(family):
     assert driver.num_prefix_hit_tokens >= 32 + 64 + 64
 
 
-def test_sliding_window_changes_the_output(tmp_path):
+def test_sliding_window_changes_the_output(tmp_path, backend):
     """The window must really apply: the same weights without it generate differently."""
     spec = dict(FAMILIES["qwen2_sliding"])
     arch = spec.pop("architecture")
@@ -105,7 +114,22 @@ def test_sliding_window_changes_the_output(tmp_path):
     long_prompts = prompts([75, 60], seed=3)
     outs = []
     for folder in (slide, full):
-        w, cfg = make_worker(folder)
+        w, cfg = make_worker(folder, backend)
         outs.append(Driver(w, cfg).run(long_prompts, MAX_NEW))
     assert outs[0] != outs[1]
     assert outs[0] == hf_greedy(slide, long_prompts, MAX_NEW)
+
+
+def test_bfloat16_kernel_follows_transformers_float32(family):
+    """bf16 (weights, KV cache, activations; softmax and norms in fp32) is not bit-equal to fp32: the stated
+    tolerance is every prompt's first greedy token equal, and 90% of tokens generated before the first divergence."""
+    folder, expected = family
+    w = Worker(engine_config(model=str(folder), dtype="bfloat16", attention_backend="cpu", max_model_len=256,
+                             kv_cache_memory_bytes=[1 << 26]))
+    cfg = kv_config(w, 256)
+    w.init_kv_cache(cfg)
+    got = Driver(w, cfg).run(RAGGED, MAX_NEW)
+    agree = [next((i for i, (a, b) in enumerate(zip(g, e, strict=True)) if a != b), MAX_NEW)
+             for g, e in zip(got, expected, strict=True)]
+    assert min(agree) >= 1, agree
+    assert sum(agree) >= 0.9 * MAX_NEW * len(RAGGED), agree

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from worker.attention import AttentionMetadata, GatherBuffer, paged_attention
+from worker.attention_backends import Attention
 from worker.model.config import ModelConfig
 from worker.model.layers import ColumnParallelLinear, RMSNorm, Rotary, RowParallelLinear, VocabParallelEmbedding
 from worker.model.weights import WeightSource
@@ -31,14 +31,14 @@ class DecoderLayer:
         self.input_norm = RMSNorm(src.read(f"{p}.input_layernorm.weight").to(**to), cfg.rms_norm_eps)
         self.post_norm = RMSNorm(src.read(f"{p}.post_attention_layernorm.weight").to(**to), cfg.rms_norm_eps)
 
-    def __call__(self, x, positions, rotary, cache, meta, buffer):
+    def __call__(self, x, positions, rotary, cache, meta, attention: Attention):
         h = self.input_norm(x)
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         q, k, v = self.qkv(h).split([q_size, kv_size, kv_size], dim=-1)
         q = rotary(q.reshape(-1, self.heads, self.head_dim), positions)
         k = rotary(k.reshape(-1, self.kv_heads, self.head_dim), positions)
         v = v.reshape(-1, self.kv_heads, self.head_dim)
-        x = x + self.o_proj(paged_attention(q, k, v, cache, meta, buffer, self.scale))
+        x = x + self.o_proj(attention(q, k, v, cache, meta, self.scale))
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
@@ -67,13 +67,13 @@ class LlamaModel:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         caches: list[torch.Tensor],
-        metas: list[AttentionMetadata],
-        buffer: GatherBuffer,
+        metas: list,
+        attention: Attention,
     ) -> torch.Tensor:
-        """caches[i] and metas[i] belong to layer i; returns final hidden states [tokens, hidden]."""
+        """caches[i] and metas[i] (the attention backend's metadata) belong to layer i; returns [tokens, hidden]."""
         x = self.embed(input_ids)
         for layer, cache, meta in zip(self.layers, caches, metas, strict=True):
-            x = layer(x, positions, self.rotary, cache, meta, buffer)
+            x = layer(x, positions, self.rotary, cache, meta, attention)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
