@@ -346,7 +346,7 @@ def test_ten_thousand_malformed_inputs_on_every_socket_leave_the_server_serving(
             0, 0, 0, idle.num_free_blocks)
 
     assert wait_until(back_to_idle), asyncio.run(stats(server.address))
-    assert scrape_running(port) == 0
+    assert wait_until(lambda: scrape_running(port) == 0)  # the gauges follow the stats a period later
     assert server.proc.poll() is None
     assert "Traceback" not in server.output(), server.output()[-3000:]
     for (where, kind), count in sorted(counts.items()):
