@@ -61,6 +61,9 @@ class ModelRunner:
             else TorchAttention(self.block_size, self.max_model_len, m.kv_heads_per_rank, m.cfg.head_dim, dtype, device)
         )
         self.device = device
+        # oneDNN JIT-compiles a matmul kernel per shape for bf16/fp16 on CPU, ~5 ms and ~1 MiB each, kept for the
+        # life of the process: padding each step's token count to a few sizes bounds both (fp32 runs MKL's sgemm).
+        self.pad_tokens = device.type == "cpu" and dtype != torch.float32
 
     def _check_windows(self, groups) -> None:
         for i, (g, _) in enumerate(self.layer_slots):
@@ -140,9 +143,11 @@ class ModelRunner:
             self.attention.metadata(t.table, w, reqs)
             for t, w in zip(self.tables.groups, self.windows, strict=True)
         ]
+        padding = padded_num_tokens(len(ids)) - len(ids) if self.pad_tokens else 0
         hidden = self.model.forward(
-            torch.tensor(ids, device=dev),
-            reqs.positions,
+            torch.tensor(ids + [0] * padding, device=dev),
+            torch.tensor(positions + [0] * padding, device=dev),
+            len(ids),
             [self.kv_tensors[j] for _, j in self.layer_slots],
             [metas[g] for g, _ in self.layer_slots],
             self.attention,
@@ -154,7 +159,11 @@ class ModelRunner:
         if not samplers:
             return out
         last = (reqs.query_start + reqs.num_scheduled - 1)[samplers]
-        logits = self.model.logits(hidden[last])
+        rows = hidden[last]
+        if self.pad_tokens:  # the LM head's matmul too
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, padded_num_tokens(len(samplers)) - len(samplers)))
+        logits = self.model.logits(rows)
+        logits = None if logits is None else logits[: len(samplers)]
         token_ids = torch.empty(len(samplers), dtype=torch.long, device=hidden.device)
         if logits is not None:  # rank 0: the other ranks get None
             states = [self.requests[batch[i][0]] for i in samplers]
@@ -164,3 +173,11 @@ class ModelRunner:
             self.requests[batch[i][0]].token_ids.append(t)
             out[i] = [t]
         return out
+
+
+def padded_num_tokens(n: int) -> int:
+    """n rounded up to one of a few sizes: powers of two to 8, multiples of 16 to 256, then of 128."""
+    if n <= 8:
+        return 1 << (n - 1).bit_length()
+    step = 16 if n <= 256 else 128
+    return -(-n // step) * step

@@ -7,6 +7,7 @@ import torch
 
 from tests.worker.harness import Driver, hf_greedy, kv_config
 from worker.model.tiny import write_model
+from worker.model_runner import padded_num_tokens
 from worker.worker import Worker
 from protocol.config import engine_config
 
@@ -133,3 +134,18 @@ def test_bfloat16_kernel_follows_transformers_float32(family):
              for g, e in zip(got, expected, strict=True)]
     assert min(agree) >= 1, agree
     assert sum(agree) >= 0.9 * MAX_NEW * len(RAGGED), agree
+
+
+def test_padded_steps_match_transformers(family, backend):
+    """Padding a step's tokens to a bucket size (done for bf16 on CPU) must leave the real tokens' results alone:
+    forced on in float32, greedy tokens stay exactly transformers'."""
+    folder, expected = family
+    w, cfg = make_worker(folder, backend)
+    w.runner.pad_tokens = True
+    assert Driver(w, cfg, chunk=7).run(RAGGED, MAX_NEW) == expected
+
+
+@pytest.mark.parametrize(("n", "padded"), [(1, 1), (3, 4), (8, 8), (9, 16), (64, 64), (65, 80), (256, 256),
+                                           (257, 384), (2048, 2048)])
+def test_padded_num_tokens_is_a_small_set_of_sizes(n, padded):
+    assert padded_num_tokens(n) == padded

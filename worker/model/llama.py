@@ -31,14 +31,18 @@ class DecoderLayer:
         self.input_norm = RMSNorm(src.read(f"{p}.input_layernorm.weight").to(**to), cfg.rms_norm_eps)
         self.post_norm = RMSNorm(src.read(f"{p}.post_attention_layernorm.weight").to(**to), cfg.rms_norm_eps)
 
-    def __call__(self, x, positions, rotary, cache, meta, attention: Attention):
+    def __call__(self, x, positions, num_tokens: int, rotary, cache, meta, attention: Attention):
+        """Rows past num_tokens are padding: they go through the matmuls but not through attention."""
         h = self.input_norm(x)
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         q, k, v = self.qkv(h).split([q_size, kv_size, kv_size], dim=-1)
         q = rotary(q.reshape(-1, self.heads, self.head_dim), positions)
         k = rotary(k.reshape(-1, self.kv_heads, self.head_dim), positions)
         v = v.reshape(-1, self.kv_heads, self.head_dim)
-        x = x + self.o_proj(attention(q, k, v, cache, meta, self.scale))
+        o = attention(q[:num_tokens], k[:num_tokens], v[:num_tokens], cache, meta, self.scale)
+        if num_tokens < x.shape[0]:
+            o = F.pad(o, (0, 0, 0, x.shape[0] - num_tokens))
+        x = x + self.o_proj(o)
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
@@ -66,15 +70,17 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
+        num_tokens: int,
         caches: list[torch.Tensor],
         metas: list,
         attention: Attention,
     ) -> torch.Tensor:
-        """caches[i] and metas[i] (the attention backend's metadata) belong to layer i; returns [tokens, hidden]."""
+        """The first num_tokens of input_ids are the step's tokens, the rest padding; caches[i] and metas[i] (the
+        attention backend's metadata) belong to layer i. Returns the final hidden states of the step's tokens."""
         x = self.embed(input_ids)
         for layer, cache, meta in zip(self.layers, caches, metas, strict=True):
-            x = layer(x, positions, self.rotary, cache, meta, attention)
-        return self.norm(x)
+            x = layer(x, positions, num_tokens, self.rotary, cache, meta, attention)
+        return self.norm(x[:num_tokens])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head.logits(hidden)
