@@ -8,8 +8,11 @@ the private socket folder, spawning the workers, and turning start-up errors int
 import argparse
 import gc
 import logging
+import os
 import shutil
 import signal
+import socket
+import stat
 import tempfile
 from pathlib import Path
 
@@ -47,6 +50,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=config.server.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return EngineServer(config).run()
+
+
+def ipc_path_taken(address: str) -> str | None:
+    """Why an ipc:// address must not be bound, or None. Binding replaces the file, which would orphan a live
+    server there; a file no server answers on is stale and removed."""
+    path = address.removeprefix("ipc://")
+    if not address.startswith("ipc://") or path.startswith("@") or not os.path.lexists(path):
+        return None  # not a file (tcp://, an abstract socket) or nothing there
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+        return f"{path} exists and is not a socket"
+    with socket.socket(socket.AF_UNIX) as probe:
+        probe.settimeout(10)
+        try:
+            probe.connect(path)
+        except FileNotFoundError:
+            return None
+        except ConnectionRefusedError:
+            Path(path).unlink(missing_ok=True)
+            logger.info("Removed a stale socket file %s (no server answered there)", path)
+            return None
+        except OSError as e:
+            return f"cannot tell whether a server listens on {address}: {e}"
+    return f"a server is already listening on {address}; stop it or choose another --address"
 
 
 class Interrupted(Exception):
@@ -95,7 +121,12 @@ class EngineServer:
 
     def _start(self) -> EngineLoop | None:
         """Sockets, observers, workers and the engine core; None (after one log line) if start-up failed."""
-        address = self.config.server.client_address() or f"ipc://{self.tmpdir}/engine.sock"
+        server = self.config.server
+        address = server.client_address() or f"ipc://{self.tmpdir}/engine.sock"
+        taken = ipc_path_taken(address)
+        if taken is not None:
+            logger.error("Start-up failed: %s", taken)
+            return None
         try:
             self.router = ClientRouter(self.ctx, address)
         except zmq.ZMQError as e:
