@@ -2,19 +2,21 @@
 
 Each request belongs to the client (ZeroMQ identity) that sent it, so its outputs go back there,
 and a client that disconnects has its requests aborted. Messages are decoded as they arrive and
-queued; the engine loop applies them between steps.
+queued; the engine loop applies them between steps. Nothing is dropped silently: a client whose pipe
+is full keeps its outputs in a Backlog until it reads, and admission limits bound what is in flight.
 """
 
 import contextlib
 import logging
 import time
+from collections import Counter, deque
 from typing import Annotated
 
 import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from engine_core.safe_log import safe_for_log
+from engine_core.safe_log import PeerWarnings, safe_for_log
 from protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ProtocolError, SchedulerStats
 from protocol.codec import client_codec, outputs_codec
 from protocol.messages import MAX_PROMPT_TOKENS, MAX_REQUEST_ID_LENGTH, ClientMessage, FinishReason
@@ -26,6 +28,10 @@ logger = logging.getLogger(__name__)
 # peer that sends more (its requests are then aborted); the client library refuses such a prompt first.
 MAX_CLIENT_FRAME_BYTES = 9 * MAX_PROMPT_TOKENS + (1 << 20)
 MAX_ERROR_CHARS = 300  # a decode error is cut to this in replies and logs (it quotes numbers, never a list)
+MAX_READS = 256  # client messages read per call: steps keep running while a client floods the socket
+# Messages ZeroMQ queues for one client; past that a slow client's outputs merge in its Backlog.
+CLIENT_SNDHWM = 100
+MAX_BACKLOG_REPLIES = 1024  # replies (errors, stats) kept for a client that sends without reading
 
 
 class _RequestHead(msgspec.Struct, array_like=True):
@@ -39,21 +45,49 @@ class _RequestHead(msgspec.Struct, array_like=True):
 _REQUEST_TAG = EngineCoreRequest.__struct_config__.tag
 
 
+class Backlog:
+    """What a slow client has not taken yet. Each admitted request's outputs merge into one (tokens
+    appended, the latest finish and counts kept), so this holds at most the client's admitted requests
+    and their tokens; replies to its other messages queue up to MAX_BACKLOG_REPLIES."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[str, EngineCoreOutput] = {}
+        self.replies: deque[EngineCoreOutputs] = deque()
+
+    def add_outputs(self, outs: list[EngineCoreOutput]) -> None:
+        for out in outs:
+            queued = self.outputs.get(out.request_id)
+            if queued is not None and queued.finish_reason is not None:
+                continue  # finished is final (fail_all at shutdown may add an abort)
+            if queued is not None:
+                out = EngineCoreOutput(out.request_id, queued.new_token_ids + out.new_token_ids, out.finish_reason,
+                                       out.num_cached_tokens, out.error)
+            self.outputs[out.request_id] = out
+
+
 class ClientRouter:
-    def __init__(self, ctx: zmq.Context, address: str) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, max_pending_requests: int = 4096,
+                 max_client_requests: int = 1024) -> None:
         """Binds address (raises zmq.ZMQError if it cannot)."""
         self.address = address
+        self.max_pending_requests, self.max_client_requests = max_pending_requests, max_client_requests
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_CLIENT_FRAME_BYTES)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full pipe raises zmq.Again instead of dropping silently
+        self.sock.setsockopt(zmq.SNDHWM, CLIENT_SNDHWM)
         # A disconnect event names the connection's file descriptor; messages carry theirs (SRCFD).
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
-        self.owners: dict[str, bytes] = {}  # request id -> client identity
+        # request id -> client, from admission until its finish output is handed to ZeroMQ
+        self.owners: dict[str, bytes] = {}
+        self.requests_per_client: Counter[bytes] = Counter()
+        self.backlogs: dict[bytes, Backlog] = {}
         self.inbox: list[tuple[bytes, ClientMessage | None]] = []  # None: that client is gone
         self.fd_to_client: dict[int, bytes] = {}
+        self.warnings = PeerWarnings(logger)
         self.client_codec, self.outputs_codec = client_codec(), outputs_codec()
         self.head_decoder = msgspec.msgpack.Decoder(_RequestHead)
         try:
@@ -70,9 +104,10 @@ class ClientRouter:
         self.poller.poll(timeout_ms)
 
     def read(self) -> None:
-        """Drain disconnect events, then client messages, without blocking.
+        """Drain disconnect events, then read up to MAX_READS client messages, without blocking.
 
-        Events first: a descriptor is reused only after its disconnect event is queued."""
+        Events first: a descriptor is reused only after its disconnect event is queued. The bound keeps
+        steps running during a flood; ZeroMQ takes inbound messages from the clients in turn."""
         while True:
             try:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
@@ -81,7 +116,7 @@ class ClientRouter:
             identity = self.fd_to_client.pop(event["value"], None)
             if identity is not None:
                 self.inbox.append((identity, None))
-        while True:
+        for _ in range(MAX_READS):
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -90,7 +125,8 @@ class ClientRouter:
             with contextlib.suppress(zmq.ZMQError):  # a legacy ZMTP/1.0 peer's frames carry no source fd
                 self.fd_to_client[frames[-1].get(zmq.SRCFD)] = identity
             if len(frames) != 2:
-                logger.warning("Dropped a malformed client message: expected 2 frames, got %d", len(frames))
+                self.warnings.warning(identity, "Dropped a malformed client message: expected 2 frames, got %d",
+                                      len(frames))
                 continue
             try:
                 self.inbox.append((identity, self.client_codec.decode(frames[1].buffer)))
@@ -104,22 +140,36 @@ class ClientRouter:
         except (msgspec.DecodeError, msgspec.ValidationError):
             head = None
         if head is None or head.tag != _REQUEST_TAG:
-            logger.warning("Dropped a malformed client message: %s", safe_for_log(error, MAX_ERROR_CHARS))
+            self.warnings.warning(identity, "Dropped a malformed client message: %s", safe_for_log(error, MAX_ERROR_CHARS))
             return
-        logger.warning("Rejected request %s: %s", safe_for_log(head.request_id), safe_for_log(error, MAX_ERROR_CHARS))
-        self.send(identity, [EngineCoreOutput(head.request_id, [], "error", error=error[:MAX_ERROR_CHARS])])
+        self.warnings.warning(identity, "Rejected request %s: %s", safe_for_log(head.request_id),
+                              safe_for_log(error, MAX_ERROR_CHARS))
+        self.reply(identity, [EngineCoreOutput(head.request_id, [], "error", error=error[:MAX_ERROR_CHARS])])
 
     def take_inbox(self) -> list[tuple[bytes, ClientMessage | None]]:
         inbox, self.inbox = self.inbox, []
         return inbox
 
     def admit(self, identity: bytes, request: EngineCoreRequest) -> bool:
-        """Record the request's owner; False (and an error output sent) if its id is in use."""
-        if request.request_id in self.owners:
-            self.send(identity, [EngineCoreOutput(request.request_id, [], "error", error="request id already in use")])
+        """Record the request's owner; False (and an error output sent) if its id is in use or a limit is reached."""
+        error = self._admission_error(identity, request.request_id)
+        if error is not None:
+            self.reply(identity, [EngineCoreOutput(request.request_id, [], "error", error=error)])
             return False
         self.owners[request.request_id] = identity
+        self.requests_per_client[identity] += 1
         return True
+
+    def _admission_error(self, identity: bytes, request_id: str) -> str | None:
+        if request_id in self.owners:
+            return "request id already in use"
+        if len(self.owners) >= self.max_pending_requests:
+            return (f"server overloaded: {len(self.owners)} requests in flight, the server's limit "
+                    f"(--max-pending-requests {self.max_pending_requests})")
+        if self.requests_per_client[identity] >= self.max_client_requests:
+            return (f"server overloaded: this client has {self.requests_per_client[identity]} requests in flight, "
+                    f"the limit per client (--max-client-requests {self.max_client_requests})")
+        return None
 
     def requests_of(self, identity: bytes) -> list[str]:
         return [rid for rid, owner in self.owners.items() if owner == identity]
@@ -128,26 +178,89 @@ class ClientRouter:
         return self.owners.get(request_id) == identity
 
     def route(self, outputs: list[EngineCoreOutput]) -> None:
-        """Send each output to its request's client; a finished request's owner is forgotten."""
+        """Send each output to its request's client (through its backlog while that client reads slowly)."""
         by_client: dict[bytes, list[EngineCoreOutput]] = {}
         for out in outputs:
             owner = self.owners.get(out.request_id)
-            if owner is None:
-                continue
-            by_client.setdefault(owner, []).append(out)
-            if out.finish_reason is not None:
-                del self.owners[out.request_id]
+            if owner is not None:
+                by_client.setdefault(owner, []).append(out)
         for identity, outs in by_client.items():
-            self.send(identity, outs)
+            backlog = self.backlogs.get(identity)
+            if backlog is not None:
+                backlog.add_outputs(outs)
+            elif self._try_send(identity, EngineCoreOutputs(outs, time.time())):
+                self._release(identity, outs)
+            else:
+                self._start_backlog(identity).add_outputs(outs)
 
-    def send(self, identity: bytes, outs: list[EngineCoreOutput], stats: SchedulerStats | None = None,
-             reset_prefix_cache: bool | None = None) -> None:
+    def reply(self, identity: bytes, outs: list[EngineCoreOutput], stats: SchedulerStats | None = None,
+              reset_prefix_cache: bool | None = None) -> None:
+        """Answer a client's message (not an output of an admitted request)."""
         msg = EngineCoreOutputs(outs, time.time(), stats=stats, reset_prefix_cache=reset_prefix_cache)
-        self.sock.send_multipart([identity, self.outputs_codec.encode(msg)])
+        backlog = self.backlogs.get(identity)
+        if backlog is None:
+            if self._try_send(identity, msg):
+                return
+            backlog = self._start_backlog(identity)
+        if len(backlog.replies) < MAX_BACKLOG_REPLIES:
+            backlog.replies.append(msg)
+        else:
+            self.warnings.warning(identity, "Dropped a reply: the client sent more than %d messages without reading "
+                                  "the answers", MAX_BACKLOG_REPLIES)
+
+    def _start_backlog(self, identity: bytes) -> Backlog:
+        self.warnings.warning(identity, "A client reads slower than its outputs arrive: keeping them until it reads")
+        backlog = self.backlogs[identity] = Backlog()
+        return backlog
+
+    def flush(self) -> None:
+        """Hand slow clients as much of their backlogs as their pipes take now."""
+        for identity, backlog in list(self.backlogs.items()):
+            if backlog.outputs:
+                outs = list(backlog.outputs.values())
+                if not self._try_send(identity, EngineCoreOutputs(outs, time.time())):
+                    continue
+                backlog.outputs.clear()
+                self._release(identity, outs)
+            while backlog.replies and self._try_send(identity, backlog.replies[0]):
+                backlog.replies.popleft()
+            if not backlog.replies:
+                self.backlogs.pop(identity, None)
+
+    def _try_send(self, identity: bytes, msg: EngineCoreOutputs) -> bool:
+        """False if the client's pipe is full. A gone client's message is dropped (its requests are aborted)."""
+        try:
+            self.sock.send(identity, zmq.NOBLOCK | zmq.SNDMORE)  # raises here, before encoding, if full or gone
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self.forget(identity)
+            return True
+        self.sock.send(self.outputs_codec.encode(msg), zmq.NOBLOCK)
+        return True
+
+    def _release(self, identity: bytes, outs: list[EngineCoreOutput]) -> None:
+        """Outputs of admitted requests were handed over: a finished one stops counting against the limits."""
+        for out in outs:
+            if out.finish_reason is not None and self.owners.get(out.request_id) == identity:
+                del self.owners[out.request_id]
+                self.requests_per_client[identity] -= 1
+                if not self.requests_per_client[identity]:
+                    del self.requests_per_client[identity]
+
+    def forget(self, identity: bytes) -> None:
+        """Drop what a gone client was owed (its unfinished requests are aborted by the caller)."""
+        backlog = self.backlogs.pop(identity, None)
+        if backlog is not None:
+            self._release(identity, list(backlog.outputs.values()))
+        self.warnings.forget(identity)
 
     def fail_all(self, error: str, reason: FinishReason = "error") -> None:
         """End every in-flight request, so no client waits forever."""
         self.route([EngineCoreOutput(rid, [], reason, error=error) for rid in self.owners])
+        self.flush()
 
     def close(self) -> None:
         self.sock.disable_monitor()

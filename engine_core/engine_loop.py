@@ -1,5 +1,6 @@
 """EngineLoop: the engine-core process loop. Between steps it applies what clients sent; each step
-it runs the engine core, routes the outputs, publishes KV events and refreshes the stats."""
+it runs the engine core, routes the outputs, retries slow clients' backlogs, publishes KV events and
+refreshes the stats."""
 
 import logging
 import time
@@ -15,6 +16,7 @@ from protocol import EngineCoreAbort, EngineCoreGetStats, EngineCoreRequest, Eng
 logger = logging.getLogger(__name__)
 STATS_PERIOD = 0.25  # seconds between stats snapshots for metrics and the log line
 IDLE_POLL_MS = 100
+BACKLOG_RETRY_MS = 10  # idle poll while a slow client has a backlog (POLLOUT would not say which pipe has room)
 
 
 class EngineLoop:
@@ -29,7 +31,7 @@ class EngineLoop:
         """Serve until stopping() is true."""
         while not stopping():
             if not self.engine.has_work() and not self.router.inbox:
-                self.router.poll(IDLE_POLL_MS)
+                self.router.poll(BACKLOG_RETRY_MS if self.router.backlogs else IDLE_POLL_MS)
                 self.engine.executor.check_health()  # a busy engine notices a dead worker in its step
             self.router.read()
             self.apply_inbox()
@@ -38,6 +40,7 @@ class EngineLoop:
                 if self.metrics is not None:
                     self.metrics.on_outputs(outputs)
                 self.router.route(outputs)
+            self.router.flush()
             if self.kv_events is not None:
                 self.kv_events.publish(self.engine.take_kv_events())
             if time.monotonic() - self.last_stats >= STATS_PERIOD:
@@ -50,6 +53,7 @@ class EngineLoop:
     def apply_inbox(self) -> None:
         for identity, msg in self.router.take_inbox():
             if msg is None:
+                self.router.forget(identity)
                 gone = self.router.requests_of(identity)
                 if gone:
                     logger.info("A client disconnected; aborting its %d request(s)", len(gone))
@@ -62,6 +66,6 @@ class EngineLoop:
             elif isinstance(msg, EngineCoreAbort):
                 self.engine.abort_requests([rid for rid in msg.request_ids if self.router.owns(identity, rid)])
             elif isinstance(msg, EngineCoreGetStats):
-                self.router.send(identity, [], stats=self.engine.get_stats())
+                self.router.reply(identity, [], stats=self.engine.get_stats())
             elif isinstance(msg, EngineCoreResetPrefixCache):
-                self.router.send(identity, [], reset_prefix_cache=self.engine.reset_prefix_cache())
+                self.router.reply(identity, [], reset_prefix_cache=self.engine.reset_prefix_cache())

@@ -111,6 +111,10 @@ class ServerConfig(_Area, frozen=True):
         "e.g. tcp://127.0.0.1:5557 (default: off)")] = None
     kv_events_replay_endpoint: Annotated[str | None, setting(
         "ZeroMQ address where late subscribers fetch missed event batches (bounded buffer)")] = None
+    max_pending_requests: Annotated[PositiveInt, setting(
+        "most requests in flight over all clients; more get an error output 'server overloaded'")] = 4096
+    max_client_requests: Annotated[PositiveInt, setting(
+        "most requests in flight from one client connection; more get an error output 'server overloaded'")] = 1024
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], setting("log level")] = "INFO"
 
     def client_address(self) -> str | None:

@@ -128,7 +128,7 @@ class EngineServer:
             logger.error("Start-up failed: %s", taken)
             return None
         try:
-            self.router = ClientRouter(self.ctx, address)
+            self.router = ClientRouter(self.ctx, address, server.max_pending_requests, server.max_client_requests)
         except zmq.ZMQError as e:
             logger.error("Start-up failed: cannot listen on %s: %s", address, e)
             return None
