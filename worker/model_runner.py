@@ -8,7 +8,7 @@ from protocol import KVCacheConfig, ModelRunnerOutput, SamplingParams, Scheduler
 from protocol.kv_cache_spec import num_skipped_blocks
 from protocol.sizes import cdiv
 from worker.attention import StepRequests
-from worker.attention_backends import Attention, CpuKernelAttention, TorchAttention, resolve_backend
+from worker.attention_backends import Attention, BackendName, CpuKernelAttention, TorchAttention
 from worker.block_table import BlockTableMismatch, BlockTables
 from worker.model.llama import LlamaModel
 from worker.sampler import sample
@@ -23,9 +23,9 @@ class RequestState:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, max_num_seqs: int, max_model_len: int, check_block_tables: bool,
-                 attention_backend: str = "auto"):
+                 attention_backend: BackendName = "torch"):
         self.model, self.tp = model, model.tp
-        self.attention_backend = resolve_backend(attention_backend, model.embed.weight.device)
+        self.attention_backend = attention_backend
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.check_block_tables = check_block_tables
         self.requests: dict[str, RequestState] = {}

@@ -23,9 +23,11 @@ from protocol.config import EngineConfig
 from protocol.kv_cache_spec import blocks_per_request, bytes_per_block, check_fits_one_block, group_layers
 from protocol.sizes import cdiv
 from worker import memory
+from worker.attention_backends import resolve_backend
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_model
 from worker.model_runner import ModelRunner
+from worker.ops.cpu_attention import load_extension
 from worker.parallel import TPGroup
 
 log = logging.getLogger(__name__)
@@ -82,11 +84,14 @@ class Worker:
         self.max_model_len = config.model.max_model_len or cfg.max_position_embeddings
         self.tp = TPGroup.init(rank, tp_size, self.device, dist_init_method)
         weights_before = self._allocated()
-        self.model = LlamaModel(cfg, weights, self.tp, self.max_model_len, self.dtype, self.device)
+        # The backend is chosen first: with the CPU kernels, the model's norms, rotary and silu * up use them too.
+        backend = resolve_backend(config.model.attention_backend, self.device)
+        ops = load_extension() if backend == "cpu" else None
+        self.model = LlamaModel(cfg, weights, self.tp, self.max_model_len, self.dtype, self.device, ops)
         self.weights_bytes = self._allocated() - weights_before
         self.runner = ModelRunner(self.model, config.scheduler.max_num_seqs, self.max_model_len,
-                                  config.scheduler.check_block_tables, config.model.attention_backend)
-        log.info("rank %d: %s, attention backend %s", rank, str(self.dtype).removeprefix("torch."), self.runner.attention_backend)
+                                  config.scheduler.check_block_tables, backend)
+        log.info("rank %d: %s, attention backend %s", rank, str(self.dtype).removeprefix("torch."), backend)
 
     def _allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0

@@ -25,7 +25,7 @@ def _free_port() -> int:
 
 def _rank_main(rank: int, folder: str, port: int, chunk: int, results) -> None:
     torch.set_num_threads(1)
-    config = engine_config(tensor_parallel_size=2, model=folder, max_model_len=256,
+    config = engine_config(tensor_parallel_size=2, model=folder, max_model_len=256, dtype="float32",
                            kv_cache_memory_bytes=[1 << 26], check_block_tables=True)
     worker = Worker(config, rank, dist_init_method=f"tcp://127.0.0.1:{port}")
     try:

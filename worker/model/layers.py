@@ -1,6 +1,7 @@
 """Building blocks of a Llama-family decoder, sharded for tensor parallelism."""
 
 import math
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -10,13 +11,32 @@ from worker.parallel import TPGroup, shard_range
 
 
 class RMSNorm:
-    def __init__(self, weight: torch.Tensor, eps: float):
-        self.weight, self.eps = weight, eps
+    """ops: the CPU extension, whose fused kernels replace the torch ops below (same rounding), or None."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, ops: ModuleType | None = None):
+        self.weight, self.eps, self.ops = weight, eps, ops
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+    def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and this norm: (x + delta, its norm); fused, x is updated in place."""
+        if self.ops is not None:
+            return x, self.ops.add_rms_norm(x, delta, self.weight, self.eps)
+        x = x + delta
+        return x, self(x)
+
+
+def silu_and_mul(x: torch.Tensor, ops: ModuleType | None) -> torch.Tensor:
+    """silu(gate) * up, gate and up the two halves of x's last dim."""
+    if ops is not None:
+        return ops.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class ColumnParallelLinear:
@@ -76,13 +96,22 @@ class VocabParallelEmbedding:
 class Rotary:
     """Rotate-half RoPE with a cos/sin table per position (default or Llama 3 frequencies)."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int, device):
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int, device,
+                 ops: ModuleType | None = None):
+        self.ops = ops
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         if scaling is not None:
             inv_freq = llama3_inv_freq(inv_freq, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k: [tokens, heads, head_dim], rotated (fused: in place)."""
+        if self.ops is not None:
+            self.ops.rotary(q, k, positions, self.cos, self.sin)
+            return q, k
+        return self(q, positions), self(k, positions)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [tokens, heads, head_dim]."""

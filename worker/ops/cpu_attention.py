@@ -1,4 +1,5 @@
-"""In-place paged attention on CPU: a C++ extension compiled on first use, cached per machine.
+"""kvengine's CPU kernels (in-place paged attention, and a decoder layer's fused elementwise ops): one C++
+extension compiled on first use, cached per machine.
 
 The build lives under ~/.cache/kvengine/torch_extensions/ (or $XDG_CACHE_HOME), one folder per torch
 version, Python version and CPU vector ISA (torch's own capability check: AVX512, AVX2 or none), so a
@@ -21,7 +22,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "layer_ops.cpp", "module.cpp")]
 EXTENSION_NAME = "kvengine_paged_attention"
 STALE_LOCK_S = 600  # a build lock older than this was left by a process that died while compiling
 ISA_FLAGS = {
@@ -138,7 +139,7 @@ def _build() -> ModuleType:
     try:
         module = cpp_extension.load(
             name=EXTENSION_NAME,
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             # -fopenmp: at::parallel_for is inline and runs serially in code built without OpenMP
             extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast", *isa_flags()],
             extra_ldflags=["-fopenmp"],

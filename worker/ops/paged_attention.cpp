@@ -14,7 +14,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <atomic>
@@ -26,29 +25,11 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_vec.h"
+#include "ops.h"
+
 namespace {
 
-// Vectors through the GCC/Clang vector extension: as wide as the ISA the build targets.
-#if defined(__AVX512F__)
-constexpr int kVecBytes = 64;
-#elif defined(__AVX__)
-constexpr int kVecBytes = 32;
-#else
-constexpr int kVecBytes = 16;
-#endif
-constexpr int kLanes = kVecBytes / 4;
-typedef float vfloat __attribute__((vector_size(kVecBytes)));
-typedef int32_t vint __attribute__((vector_size(kVecBytes)));
-
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
-inline vfloat splat(float x) { return vfloat{} + x; }
-inline vint splat_int(int32_t x) { return vint{} + x; }
-inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
 inline vint iota() {
   vint v{};
   for (int i = 0; i < kLanes; ++i) v[i] = i;
@@ -88,60 +69,7 @@ inline vfloat sum_lanes(vfloat* v) {
   return bit_reverse_lanes(v[0], std::make_index_sequence<kLanes>{});
 }
 
-// Butterfly across lanes: after the steps W = kLanes/2 .. 1 every lane holds the reduction.
-template <int W, size_t... I>
-inline vfloat swap_lanes(vfloat v, std::index_sequence<I...>) {
-  return __builtin_shufflevector(v, v, (I ^ W)...);
-}
-template <int W = kLanes / 2>
-inline float hmax(vfloat v) {
-  v = vmax(v, swap_lanes<W>(v, std::make_index_sequence<kLanes>{}));
-  if constexpr (W > 1) return hmax<W / 2>(v);
-  return v[0];
-}
-template <int W = kLanes / 2>
-inline float hsum(vfloat v) {
-  v += swap_lanes<W>(v, std::make_index_sequence<kLanes>{});
-  if constexpr (W > 1) return hsum<W / 2>(v);
-  return v[0];
-}
-
 constexpr float kMasked = -1e30f;  // score of a key a row cannot see
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-
-// n values as fp32; bf16 a vector at a time (its bits are the high half of an fp32).
-template <typename T>
-inline void to_float(const T* src, float* dst, int64_t n) {
-  int64_t i = 0;
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    typedef uint16_t vbits __attribute__((vector_size(kVecBytes / 2)));
-    for (; i + kLanes <= n; i += kLanes) {
-      vbits b;
-      std::memcpy(&b, src + i, sizeof(b));
-      store(dst + i, reinterpret_cast<vfloat>(__builtin_convertvector(b, vint) << 16));
-    }
-  }
-  for (; i < n; ++i) dst[i] = to_float(src[i]);
-}
-
-// exp for x <= 0 (Cephes' single-precision polynomial, ~1 ulp), lane-wise; exp(-87) and below ~ 0.
-inline vfloat exp_nonpos(vfloat x) {
-  x = vmax(x, splat(-87.0f));
-  const vint n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vint);  // round to nearest for x <= 0
-  const vfloat nf = __builtin_convertvector(n, vfloat);
-  const vfloat r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  vfloat y = splat(1.9875691500e-4f);
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * (r * r) + r + 1.0f;
-  return y * reinterpret_cast<vfloat>((n + 127) << 23);
-}
 
 // acc += p * v over D floats (vectors, then a scalar tail when D is not a multiple of kLanes).
 template <int kD>
@@ -575,13 +503,4 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& cac
       }
     });
   });
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention over the block table, [tokens, heads * head_size]",
-        py::arg("q"), py::arg("cache"), py::arg("block_table"), py::arg("query_start_loc"), py::arg("seq_lens"),
-        py::arg("window"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
-  m.def("reshape_and_cache", &reshape_and_cache, "write K/V at the slots the block table gives", py::arg("k"),
-        py::arg("v"), py::arg("cache"), py::arg("block_table"), py::arg("query_start_loc"), py::arg("seq_lens"),
-        py::call_guard<py::gil_scoped_release>());
 }

@@ -1,0 +1,107 @@
+// Vector helpers shared by the CPU kernels: GCC/Clang vector extensions as wide as the build's ISA,
+// bf16/fp16 <-> fp32 conversion, and exp for non-positive arguments.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+namespace {
+
+// Vectors through the GCC/Clang vector extension: as wide as the ISA the build targets.
+#if defined(__AVX512F__)
+constexpr int kVecBytes = 64;
+#elif defined(__AVX__)
+constexpr int kVecBytes = 32;
+#else
+constexpr int kVecBytes = 16;
+#endif
+constexpr int kLanes = kVecBytes / 4;
+typedef float vfloat __attribute__((vector_size(kVecBytes)));
+typedef int32_t vint __attribute__((vector_size(kVecBytes)));
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+inline vfloat splat(float x) { return vfloat{} + x; }
+inline vint splat_int(int32_t x) { return vint{} + x; }
+inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+// Butterfly across lanes: after the steps W = kLanes/2 .. 1 every lane holds the reduction.
+template <int W, size_t... I>
+inline vfloat swap_lanes(vfloat v, std::index_sequence<I...>) {
+  return __builtin_shufflevector(v, v, (I ^ W)...);
+}
+template <int W = kLanes / 2>
+inline float hmax(vfloat v) {
+  v = vmax(v, swap_lanes<W>(v, std::make_index_sequence<kLanes>{}));
+  if constexpr (W > 1) return hmax<W / 2>(v);
+  return v[0];
+}
+template <int W = kLanes / 2>
+inline float hsum(vfloat v) {
+  v += swap_lanes<W>(v, std::make_index_sequence<kLanes>{});
+  if constexpr (W > 1) return hsum<W / 2>(v);
+  return v[0];
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// n values as fp32; bf16 a vector at a time (its bits are the high half of an fp32).
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    typedef uint16_t vbits __attribute__((vector_size(kVecBytes / 2)));
+    for (; i + kLanes <= n; i += kLanes) {
+      vbits b;
+      std::memcpy(&b, src + i, sizeof(b));
+      store(dst + i, reinterpret_cast<vfloat>(__builtin_convertvector(b, vint) << 16));
+    }
+  }
+  for (; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// exp for x <= 0 (Cephes' single-precision polynomial, ~1 ulp), lane-wise; exp(-87) and below ~ 0.
+inline vfloat exp_nonpos(vfloat x) {
+  x = vmax(x, splat(-87.0f));
+  const vint n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vint);  // round to nearest for x <= 0
+  const vfloat nf = __builtin_convertvector(n, vfloat);
+  const vfloat r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  vfloat y = splat(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  return y * reinterpret_cast<vfloat>((n + 127) << 23);
+}
+
+// n fp32 values stored as T; bf16 rounded to nearest even a vector at a time (NaN stays NaN).
+template <typename T>
+inline void from_float(const float* src, T* dst, int64_t n) {
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    typedef uint16_t vbits __attribute__((vector_size(kVecBytes / 2)));
+    for (; i + kLanes <= n; i += kLanes) {
+      const vfloat x = load(src + i);
+      const vint bits = reinterpret_cast<vint>(x);
+      vint rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16;
+      rounded = x != x ? splat_int(0x7FC0) : rounded;
+      const vbits b = __builtin_convertvector(rounded, vbits);
+      std::memcpy(dst + i, &b, sizeof(b));
+    }
+  }
+  for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+}  // namespace

@@ -1,0 +1,17 @@
+// The functions the kvengine CPU extension exports (module.cpp binds them to Python).
+#pragma once
+
+#include <ATen/ATen.h>
+
+// Attention over the paged cache, read in place through the block table (paged_attention.cpp).
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
+                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t window,
+                           double scale);
+void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache, const at::Tensor& block_table,
+                       const at::Tensor& query_start_loc, const at::Tensor& seq_lens);
+
+// A decoder layer's elementwise work, one pass each (layer_ops.cpp).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps);
+void rotary(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor silu_and_mul(const at::Tensor& x);
