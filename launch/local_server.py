@@ -59,7 +59,8 @@ class LocalServer:
         with open(self.log_file or os.devnull, "ab") as log_file:
             log = log_file if self.log_file else None  # None: the server logs to this command's stderr
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "launch.cli", "serve", "--address", self.address, *self.flags],
+                [sys.executable, "-m", "launch.cli", "serve", "--address", self.address, "--api-server-count", "0",
+                 *self.flags],
                 stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True,
                 preexec_fn=die_with_parent(),  # noqa: PLW1509 (it only calls prctl and getppid)
             )

@@ -101,8 +101,13 @@ class ServerConfig(_Area, frozen=True):
     address: Annotated[str | None, setting(
         "ZeroMQ address to serve on, e.g. ipc:///tmp/kv.sock or tcp://127.0.0.1:5555; "
         "default: a fresh ipc:// path, printed at start-up")] = None
-    host: Annotated[str, setting("with --port: the address to bind")] = "127.0.0.1"
-    port: Annotated[Port | None, setting("serve on tcp://HOST:PORT instead of ipc://")] = None
+    host: Annotated[str, setting("the address the HTTP API binds (and the metrics endpoint)")] = "127.0.0.1"
+    port: Annotated[Port, setting("the OpenAI-compatible HTTP API's port (the ZeroMQ socket is --address)")] = 8000
+    api_server_count: Annotated[Annotated[int, Meta(ge=0)], setting(
+        "HTTP API processes sharing --port, each one more ZeroMQ client of the engine core "
+        "(0: no HTTP API, only the ZeroMQ socket)")] = 1
+    served_model_name: Annotated[str | None, setting(
+        "the model name HTTP clients send; default: --model as given, or 'tiny' for the built-in model")] = None
     stats_interval: Annotated[float, Meta(gt=0), setting("seconds between stats log lines while busy")] = 5.0
     metrics_port: Annotated[Port | None, setting(
         "serve Prometheus metrics on http://127.0.0.1:PORT/metrics (default: off)")] = None
@@ -118,10 +123,8 @@ class ServerConfig(_Area, frozen=True):
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], setting("log level")] = "INFO"
 
     def client_address(self) -> str | None:
-        """--address, else tcp://host:port with --port, else None (the server picks an ipc:// path)."""
-        if self.address is not None:
-            return self.address
-        return f"tcp://{self.host}:{self.port}" if self.port is not None else None
+        """--address, else None (the server picks an ipc:// path)."""
+        return self.address
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

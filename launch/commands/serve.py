@@ -24,6 +24,7 @@ from engine_core.engine_loop import EngineLoop
 from engine_core.kv_cache.planning import KVCacheSizingError
 from engine_core.kv_event_publisher import KVEventPublisher
 from engine_core.metrics import EngineMetrics
+from launch.api_server.launcher import ApiServers
 from launch.config_args import add_config_args, config_from_args
 from launch.multiproc_executor import MultiprocExecutor, WorkerFailedError
 from launch.open_files import raise_open_file_limit
@@ -88,6 +89,7 @@ class EngineServer:
         self.kv_events: KVEventPublisher | None = None
         self.executor: MultiprocExecutor | None = None
         self.engine: EngineCore | None = None
+        self.api_servers: ApiServers | None = None
 
     def _on_signal(self, signum: int, frame: object) -> None:
         logger.info("Received %s, shutting down", signal.Signals(signum).name)
@@ -132,6 +134,12 @@ class EngineServer:
         except zmq.ZMQError as e:
             logger.error("Start-up failed: cannot listen on %s: %s", address, e)
             return None
+        if server.api_server_count:
+            try:
+                self.api_servers = ApiServers(self.config)
+            except OSError as e:
+                logger.error("Start-up failed: cannot listen on http://%s:%d: %s", server.host, server.port, e)
+                return None
         try:
             self._start_observers()
         except (OSError, zmq.ZMQError) as e:
@@ -148,6 +156,8 @@ class EngineServer:
         for sock in self.router.sockets:
             self.executor.serve_while_waiting(sock, self.router.read)
         logger.info("kvengine ready: serving on %s (tensor parallel %d)", address, len(configs))
+        if self.api_servers is not None:
+            self.api_servers.spawn(address, self.engine.max_model_len)
         return EngineLoop(self.engine, self.router, self.config.server.stats_interval, self.metrics, self.kv_events)
 
     def _check_stop(self) -> None:
@@ -168,6 +178,8 @@ class EngineServer:
                         server.kv_events_replay_endpoint or "off")
 
     def _close(self) -> None:
+        if self.api_servers is not None:
+            self.api_servers.close()
         if self.metrics is not None:
             self.metrics.close()
         if self.kv_events is not None:

@@ -66,8 +66,9 @@ def wait_until(condition: Callable[[], object], seconds: float = 60.0) -> bool:
 class ServerProcess:
     def __init__(self, tmp_path: Path, flags: list[str]) -> None:
         self.address = f"ipc://{tmp_path}/engine.sock"
-        if "--port" not in flags:
-            flags = ["--address", self.address, *flags]
+        flags = ["--address", self.address, *flags]  # a later --address in flags wins
+        if "--port" not in flags and "--api-server-count" not in flags:  # no HTTP API unless the test asks
+            flags = ["--api-server-count", "0", *flags]
         self.log_path = tmp_path / "server.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(

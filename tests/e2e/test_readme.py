@@ -90,7 +90,7 @@ class Context:
     def serve(self, command: str, prelude: str = "", **flags: str) -> tuple[CommandProcess, str]:
         """Start a `kvengine serve` line in the background (after the shell prelude); return it once it answers,
         with its address. The shell execs the server, so a signal to the process reaches the server."""
-        line = with_flags(self.localize(command), flags)
+        line = with_flags(self.localize(command), {"--port": self.port("8000"), **flags})  # HTTP on a free port
         address = word_after("--address", line)
         proc = self.start_command(shell=f"{prelude}exec {line}", env=ENV)
         try:

@@ -218,6 +218,6 @@ def test_port_in_use_is_a_clear_start_up_error(start_server):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        server = start_server("--port", str(port))
+        server = start_server("--address", f"tcp://127.0.0.1:{port}")
         assert wait_exit(server.proc) == 1
     assert f"cannot listen on tcp://127.0.0.1:{port}" in server.output() and "Traceback" not in server.output()

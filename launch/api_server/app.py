@@ -1,0 +1,165 @@
+"""The FastAPI application: routes, error shape, and aborting the work of a client that went away."""
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
+from typing import TypeVar
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from launch.api_server.errors import ApiError, bad_body
+from launch.api_server.prompts import chat_messages, completion_prompts
+from launch.api_server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from launch.api_server.serving import Served, collect, generate, now, sse_stream, usage
+from launch.client import EngineDeadError
+
+T = TypeVar("T")
+HEALTH_TIMEOUT = 10.0  # seconds for the engine to answer a stats probe
+
+
+def json_response(data: object, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(data), status, media_type="application/json")
+
+
+async def decode(request: Request, kind: type[T]) -> T:
+    try:
+        return msgspec.json.decode(await request.body(), type=kind)
+    except msgspec.DecodeError as e:
+        raise bad_body(e) from None
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """work's result; if the client disconnects first, work is cancelled (its engine requests aborted)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    return await task
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def event_stream(body: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def create_app(served: Served, lifespan=None) -> FastAPI:
+    app = FastAPI(title="kvengine", lifespan=lifespan)
+    app.add_exception_handler(ApiError, lambda request, e: e.response())  # type: ignore[arg-type, return-value]
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = await decode(request, CompletionRequest)
+        served.check_model(req.model)
+        prompts = completion_prompts(req.prompt, served.text)
+        response_id, streams = await generate(served, req, prompts, req.max_tokens, "cmpl")
+        base = {"id": response_id, "object": "text_completion", "created": now(), "model": served.model_name}
+
+        def choice(index: int, text: str, finish_reason: str | None) -> dict:
+            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return event_stream(sse_stream(
+                streams, prompts, include_usage,
+                lambda p: {**base, "choices": [choice(p.index, p.text, p.finish_reason)]},
+                lambda u: {**base, "choices": [], "usage": u}, []))
+        texts, finals = await until_disconnected(request, collect(streams))
+        choices = [choice(i, t, f.finish_reason) for i, (t, f) in enumerate(zip(texts, finals, strict=True))]
+        return json_response({**base, "choices": choices, "usage": usage(prompts, finals)})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await decode(request, ChatCompletionRequest)
+        served.check_model(req.model)
+        prompt = chat_prompt(served, req.messages, req.add_generation_prompt, req.chat_template_kwargs or {})
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        response_id, streams = await generate(served, req, [prompt], max_tokens, "chatcmpl")
+        base = {"id": response_id, "object": "chat.completion.chunk", "created": now(), "model": served.model_name}
+
+        def chunk(delta: dict, finish_reason: str | None = None) -> dict:
+            return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                         "finish_reason": finish_reason}]}
+
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return event_stream(sse_stream(
+                streams, [prompt], include_usage,
+                lambda p: chunk({"content": p.text} if p.text else {}, p.finish_reason),
+                lambda u: {**base, "choices": [], "usage": u}, [chunk({"role": "assistant", "content": ""})]))
+        texts, finals = await until_disconnected(request, collect(streams))
+        message = {"role": "assistant", "content": texts[0]}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finals[0].finish_reason}
+        return json_response({**base, "object": "chat.completion", "choices": [choice],
+                              "usage": usage([prompt], finals)})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = {"id": served.model_name, "object": "model", "created": now(), "owned_by": "kvengine",
+                "max_model_len": served.max_model_len}
+        return json_response({"object": "list", "data": [card]})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req = await decode(request, TokenizeRequest)
+        served.check_model(req.model)
+        if req.messages is not None:
+            tokens = chat_prompt(served, req.messages, req.add_generation_prompt, {})
+        elif req.prompt is not None:
+            tokens = served.text.encode(req.prompt, req.add_special_tokens)
+        else:
+            raise ApiError(400, "give a prompt or messages", "prompt")
+        return json_response({"count": len(tokens), "max_model_len": served.max_model_len, "tokens": tokens})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        req = await decode(request, DetokenizeRequest)
+        served.check_model(req.model)
+        return json_response({"prompt": served.text.decode(req.tokens)})
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await asyncio.wait_for(served.engine.get_stats(), HEALTH_TIMEOUT)
+        except (EngineDeadError, asyncio.TimeoutError):
+            raise ApiError(503, "the engine does not answer") from None
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> Response:
+        try:
+            return json_response({"version": package_version("kvengine")})
+        except PackageNotFoundError:
+            return json_response({"version": "unknown"})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        try:
+            done = await served.engine.reset_prefix_cache()
+        except EngineDeadError as e:
+            raise ApiError(503, f"the engine is not available: {e}") from None
+        if not done:
+            raise ApiError(409, "the engine refused: running requests hold cached blocks")
+        return Response(status_code=200)
+
+    return app
+
+
+def chat_prompt(served: Served, messages: list[dict], add_generation_prompt: bool, variables: dict) -> list[int]:
+    """The conversation rendered by the model's chat template, as token ids (the template adds special tokens)."""
+    try:
+        text = served.text.render_chat(chat_messages(messages), add_generation_prompt, **variables)
+    except ValueError as e:
+        raise ApiError(400, str(e), "messages") from None
+    return served.text.encode(text, add_special_tokens=False)
+

@@ -1,0 +1,60 @@
+"""One prompt's engine request turned into text pieces: detokenised, cut at stop strings, errors mapped to HTTP."""
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from launch.api_server.detokenizer import IncrementalDetokenizer
+from launch.api_server.errors import ApiError
+from launch.client import AsyncEngineClient, EngineDeadError, RequestOutput
+from protocol import SamplingParams
+
+
+@dataclass
+class Piece:
+    """New text of one choice; the last piece has finish_reason and the request's token counts."""
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+async def start(engine: AsyncEngineClient, prompt: list[int], params: SamplingParams,
+                request_id: str) -> AsyncIterator[RequestOutput]:
+    """The request's outputs, once the engine has accepted it: a refusal raises ApiError before any byte is sent."""
+    outputs = engine.generate(prompt, params, request_id=request_id)
+    try:
+        first = await anext(outputs)
+    except EngineDeadError as e:
+        raise ApiError(503, f"the engine is not available: {e}") from None
+    if first.finish_reason == "error":
+        error = first.error or "the engine refused the request"
+        raise ApiError(503 if error.startswith("server overloaded") else 400, error)
+    return _chain(first, outputs)
+
+
+async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    yield first
+    async for out in rest:
+        yield out
+
+
+async def pieces(index: int, outputs: AsyncIterator[RequestOutput], detok: IncrementalDetokenizer,
+                 ) -> AsyncIterator[Piece]:
+    """Text pieces until the engine finishes or a stop string appears (leaving the loop aborts the request)."""
+    count = 0
+    try:
+        async for out in outputs:
+            count += len(out.new_token_ids)
+            text = detok.add(out.new_token_ids, final=out.finished)
+            if detok.stopped or out.finished:
+                reason = "stop" if detok.stopped else out.finish_reason
+                yield Piece(index, text, reason, count, out.num_cached_tokens)
+                return
+            if text:
+                yield Piece(index, text)
+    except EngineDeadError:  # the status line has left: the choice ends with finish_reason "error"
+        yield Piece(index, detok.add([], final=True), "error", count)
+    finally:
+        await outputs.aclose()  # type: ignore[attr-defined]

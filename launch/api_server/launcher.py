@@ -1,0 +1,61 @@
+"""Start and stop the API server processes of a `kvengine serve`; they share one listening socket."""
+
+import contextlib
+import logging
+import socket
+import subprocess
+import sys
+
+import msgspec
+
+from launch.local_server import die_with_parent
+from protocol.config import EngineConfig
+
+logger = logging.getLogger("kvengine.serve")
+BACKLOG = 4096  # connections the kernel queues before an API process accepts them (64 streams start at once)
+
+
+class ApiServerSettings(msgspec.Struct, kw_only=True, frozen=True):
+    """What an API process is told on its command line (as JSON)."""
+
+    engine_address: str
+    fd: int  # the inherited listening socket
+    model: str | None
+    model_name: str
+    max_model_len: int
+    log_level: str = "INFO"
+
+
+class ApiServers:
+    def __init__(self, config: EngineConfig) -> None:
+        """Bind the HTTP port now, so a taken port fails start-up before the model loads."""
+        server = config.server
+        self.config = config
+        self.procs: list[subprocess.Popen] = []
+        self.sock = socket.create_server((server.host, server.port), backlog=BACKLOG)
+        self.url = f"http://{server.host}:{self.sock.getsockname()[1]}"
+
+    def spawn(self, engine_address: str, max_model_len: int) -> None:
+        """One process per --api-server-count; each dies with this process (parent-death signal)."""
+        model = self.config.model.model
+        settings = ApiServerSettings(
+            engine_address=engine_address, fd=self.sock.fileno(), model=model,
+            model_name=self.config.server.served_model_name or model or "tiny", max_model_len=max_model_len,
+            log_level=self.config.server.log_level,
+        )
+        argv = [sys.executable, "-m", "launch.api_server.process", msgspec.json.encode(settings).decode()]
+        for _ in range(self.config.server.api_server_count):
+            self.procs.append(subprocess.Popen(argv, pass_fds=[self.sock.fileno()], preexec_fn=die_with_parent()))  # noqa: PLW1509
+        logger.info("OpenAI-compatible API on %s (%d process(es))", self.url, len(self.procs))
+
+    def close(self, timeout: float = 10.0) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        with contextlib.suppress(OSError):
+            self.sock.close()

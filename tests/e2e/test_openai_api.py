@@ -1,0 +1,187 @@
+"""The OpenAI-compatible HTTP API end to end: the official `openai` client, raw SSE, concurrency, errors, aborts."""
+
+import asyncio
+import http.client
+import json
+
+import openai
+import pytest
+
+from launch.api_server.text_model import load_text_model
+from launch.client import AsyncEngineClient
+from protocol import SamplingParams
+from tests.e2e.conftest import wait_until
+from tests.e2e.openai_server import SMALL, sse_events, start_api_server
+
+PROMPT_IDS = [5, 17, 300, 42, 9, 77, 81]
+
+
+@pytest.fixture
+def api(start_server):
+    return start_api_server(start_server, *SMALL)
+
+
+def stats(address: str):
+    async def get():
+        async with AsyncEngineClient(address) as client:
+            return await client.get_stats()
+
+    return asyncio.run(get())
+
+
+def test_openai_client_completions_and_chat_streamed_and_not(api):
+    client = openai.OpenAI(base_url=f"{api.base_url}/v1", api_key="unused")
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    done = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0)
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 6
+    streamed = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == done.choices[0].text
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+
+
+def test_greedy_tokens_over_http_equal_the_native_clients(api):
+    async def native() -> list[int]:
+        tokens: list[int] = []
+        async with AsyncEngineClient(api.server.address) as client:
+            async for out in client.generate(PROMPT_IDS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)):
+                tokens += out.new_token_ids
+        return tokens
+
+    status, body = api.request("POST", "/v1/completions", {
+        "model": "tiny", "prompt": PROMPT_IDS, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+    assert status == 200 and body["usage"]["completion_tokens"] == 12
+    assert body["choices"][0]["text"] == load_text_model(None).decode(asyncio.run(native()))
+
+
+def test_raw_sse_stream_with_lists_of_prompts_and_usage(api):
+    conn = http.client.HTTPConnection("127.0.0.1", api.port, timeout=120)
+    body = {"model": "tiny", "prompt": ["one", "two", "three"], "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.getheader("Content-Type").startswith("text/event-stream")
+    events = list(sse_events(response))
+    conn.close()
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    finished = sorted(c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"])
+    assert finished == [0, 1, 2]
+    usage = chunks[-1]["usage"]
+    assert usage["completion_tokens"] == 12 and usage["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_cached_tokens_are_reported_and_reset_prefix_cache_clears_them(api):
+    body = {"model": "tiny", "prompt": list(range(3, 60)), "max_tokens": 2, "temperature": 0}
+    assert api.request("POST", "/v1/completions", body)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert api.request("POST", "/v1/completions", body)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+    assert api.request("POST", "/reset_prefix_cache")[0] == 200
+    assert api.request("POST", "/v1/completions", body)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_many_concurrent_streams(api):
+    async def run() -> list[tuple[str, int]]:
+        client = openai.AsyncOpenAI(base_url=f"{api.base_url}/v1", api_key="unused", max_retries=0)
+
+        async def one(i: int) -> tuple[str, int]:
+            stream = await client.completions.create(
+                model="tiny", prompt=[3 + i, 4, 5], max_tokens=16, temperature=0, stream=True,
+                extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
+            reason, tokens = "", 0
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    reason = chunk.choices[0].finish_reason
+                if chunk.usage:
+                    tokens = chunk.usage.completion_tokens
+            return reason, tokens
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(48)))
+        finally:
+            await client.close()
+
+    assert asyncio.run(run()) == [("length", 16)] * 48
+    assert stats(api.server.address).num_running_reqs == 0
+
+
+def idle_after_abort(api, before_tokens: int, limit: int) -> bool:
+    """The engine's pool is back to idle, well before the aborted request's max_tokens were generated."""
+    now = stats(api.server.address)
+    return now.num_running_reqs == 0 and now.num_blocks_held == 0 and (
+        now.num_generation_tokens - before_tokens < limit)
+
+
+def test_a_client_that_disconnects_aborts_its_stream(start_server):
+    api = start_api_server(start_server, "--max-model-len", "2048", "--kv-cache-memory-bytes", "16MiB")
+    before = stats(api.server.address).num_generation_tokens
+    conn = http.client.HTTPConnection("127.0.0.1", api.port, timeout=120)
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    next(sse_events(response))
+    conn.close()
+    assert wait_until(lambda: stats(api.server.address).num_running_reqs == 0, 120)
+    assert idle_after_abort(api, before, 2000)
+
+
+def test_a_client_that_disconnects_aborts_its_non_streamed_request(start_server):
+    api = start_api_server(start_server, "--max-model-len", "2048", "--kv-cache-memory-bytes", "16MiB")
+    before = stats(api.server.address).num_generation_tokens
+    conn = http.client.HTTPConnection("127.0.0.1", api.port, timeout=120)
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    assert wait_until(lambda: stats(api.server.address).num_running_reqs == 1, 120)
+    conn.close()
+    assert wait_until(lambda: stats(api.server.address).num_running_reqs == 0, 120)
+    assert idle_after_abort(api, before, 2000)
+
+
+@pytest.mark.parametrize(("body", "status", "param", "words"), [
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature", "temperature must be"),
+    ({"prompt": "hi", "top_p": "x"}, 400, "top_p", "Expected `float`"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "model", "does not exist"),
+    ({"prompt": list(range(3, 300))}, 400, "prompt", "maximum context length is 256"),
+    ({"prompt": "hi", "max_tokens": 1000}, 400, "max_tokens", "maximum context length is 256"),
+    ({"prompt": "hi", "n": 2}, 400, "n", "n must be 1"),
+    ({"prompt": []}, 400, "prompt", "empty"),
+])
+def test_errors_have_openais_shape_and_status(api, body, status, param, words):
+    got, answer = api.request("POST", "/v1/completions", body)
+    assert got == status and answer["error"]["param"] == param and words in answer["error"]["message"]
+    assert answer["error"]["code"] == status and answer["error"]["type"]
+
+
+def test_openai_client_raises_its_own_errors(api):
+    client = openai.OpenAI(base_url=f"{api.base_url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="top_k"):
+        client.completions.create(model="tiny", prompt="hi", extra_body={"top_k": -5})
+
+
+def test_an_overloaded_engine_answers_503(start_server):
+    api = start_api_server(start_server, *SMALL, "--max-pending-requests", "1")
+    conn = http.client.HTTPConnection("127.0.0.1", api.port, timeout=120)
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 240, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    next(sse_events(response))  # the first request holds the only place
+    status, answer = api.request("POST", "/v1/completions", {"prompt": "hi"})
+    conn.close()
+    assert status == 503 and "overloaded" in answer["error"]["message"]
+
+
+def test_tokenize_detokenize_version_models(api):
+    status, tokens = api.request("POST", "/tokenize", {"prompt": "héllo"})
+    assert status == 200 and tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 256
+    assert api.request("POST", "/detokenize", {"tokens": tokens["tokens"]}) == (200, {"prompt": "héllo"})
+    chat = api.request("POST", "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})[1]
+    assert api.request("POST", "/detokenize", {"tokens": chat["tokens"]})[1]["prompt"] == "user\nhi\nassistant\n"
+    assert api.request("GET", "/version")[1]["version"]
+    assert api.request("GET", "/v1/models")[1]["data"][0]["max_model_len"] == 256
