@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from launch.api_server.errors import ApiError, bad_body
+from launch.api_server.metrics_proxy import CONTENT_TYPE, fetch_metrics
 from launch.api_server.prompts import chat_messages, completion_prompts
 from launch.api_server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from launch.api_server.serving import Served, collect, generate, now, sse_stream, usage
@@ -134,6 +135,10 @@ def create_app(served: Served, lifespan=None) -> FastAPI:
         except (EngineDeadError, asyncio.TimeoutError):
             raise ApiError(503, "the engine does not answer") from None
         return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await fetch_metrics(served.metrics_url), media_type=CONTENT_TYPE)
 
     @app.get("/version")
     async def version() -> Response:

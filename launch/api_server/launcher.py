@@ -23,6 +23,7 @@ class ApiServerSettings(msgspec.Struct, kw_only=True, frozen=True):
     model: str | None
     model_name: str
     max_model_len: int
+    metrics_url: str  # the engine core's metrics endpoint
     log_level: str = "INFO"
 
 
@@ -35,12 +36,16 @@ class ApiServers:
         self.sock = socket.create_server((server.host, server.port), backlog=BACKLOG)
         self.url = f"http://{server.host}:{self.sock.getsockname()[1]}"
 
-    def spawn(self, engine_address: str, max_model_len: int) -> None:
+    def spawn(self, engine_address: str, max_model_len: int, metrics_port: int) -> None:
         """One process per --api-server-count; each dies with this process (parent-death signal)."""
         model = self.config.model.model
+        host = self.config.server.host if self.config.server.metrics_port is not None else "127.0.0.1"
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
         settings = ApiServerSettings(
             engine_address=engine_address, fd=self.sock.fileno(), model=model,
             model_name=self.config.server.served_model_name or model or "tiny", max_model_len=max_model_len,
+            metrics_url=f"http://{host}:{metrics_port}/metrics",
             log_level=self.config.server.log_level,
         )
         argv = [sys.executable, "-m", "launch.api_server.process", msgspec.json.encode(settings).decode()]

@@ -23,7 +23,8 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_uvloop()
     engine = AsyncEngineClient(settings.engine_address)
-    served = Served(engine, load_text_model(settings.model), settings.model_name, settings.max_model_len)
+    served = Served(engine, load_text_model(settings.model), settings.model_name, settings.max_model_len,
+                    settings.metrics_url)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -28,6 +28,7 @@ class Served:
     text: TextModel
     model_name: str
     max_model_len: int
+    metrics_url: str
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -118,6 +119,8 @@ async def collect(streams: list[AsyncIterator[Piece]]) -> tuple[list[str], list[
         texts[piece.index].append(piece.text)
         if piece.finish_reason is not None:
             finals[piece.index] = piece
+    if any(f.finish_reason in ("error", "abort") for f in finals):
+        raise ApiError(503, "the engine stopped before the request finished")
     return ["".join(t) for t in texts], finals
 
 

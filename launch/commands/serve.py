@@ -157,7 +157,8 @@ class EngineServer:
             self.executor.serve_while_waiting(sock, self.router.read)
         logger.info("kvengine ready: serving on %s (tensor parallel %d)", address, len(configs))
         if self.api_servers is not None:
-            self.api_servers.spawn(address, self.engine.max_model_len)
+            assert self.metrics is not None and self.metrics.server is not None
+            self.api_servers.spawn(address, self.engine.max_model_len, self.metrics.server.port)
         return EngineLoop(self.engine, self.router, self.config.server.stats_interval, self.metrics, self.kv_events)
 
     def _check_stop(self) -> None:
@@ -168,10 +169,13 @@ class EngineServer:
     def _start_observers(self) -> None:
         """Metrics endpoint and KV event publisher, when asked for; errors here are start-up errors."""
         server = self.config.server
-        if server.metrics_port is not None:
+        if server.metrics_port is not None or server.api_server_count:
             self.metrics = EngineMetrics(self.config.cache.block_size)
-            self.metrics.serve(server.metrics_port, server.host)
-            logger.info("Metrics on http://%s:%d/metrics", server.host, server.metrics_port)
+            if server.metrics_port is None:  # a private endpoint, for the HTTP API's /metrics
+                self.metrics.serve(0, "127.0.0.1")
+            else:
+                self.metrics.serve(server.metrics_port, server.host)
+                logger.info("Metrics on http://%s:%d/metrics", server.host, server.metrics_port)
         if server.kv_events_endpoint is not None:
             self.kv_events = KVEventPublisher(self.ctx, server.kv_events_endpoint, server.kv_events_replay_endpoint)
             logger.info("KV events on %s (replay: %s)", server.kv_events_endpoint,

@@ -3,6 +3,9 @@
 import asyncio
 import http.client
 import json
+import os
+import signal
+import threading
 
 import openai
 import pytest
@@ -10,7 +13,7 @@ import pytest
 from launch.api_server.text_model import load_text_model
 from launch.client import AsyncEngineClient
 from protocol import SamplingParams
-from tests.e2e.conftest import wait_until
+from tests.e2e.conftest import cmdline, processes_in_group, wait_until
 from tests.e2e.openai_server import SMALL, sse_events, start_api_server
 
 PROMPT_IDS = [5, 17, 300, 42, 9, 77, 81]
@@ -185,3 +188,45 @@ def test_tokenize_detokenize_version_models(api):
     assert api.request("POST", "/detokenize", {"tokens": chat["tokens"]})[1]["prompt"] == "user\nhi\nassistant\n"
     assert api.request("GET", "/version")[1]["version"]
     assert api.request("GET", "/v1/models")[1]["data"][0]["max_model_len"] == 256
+
+
+def test_metrics_are_the_engines_prometheus_registry(api):
+    api.request("POST", "/v1/completions", {"prompt": [3, 4, 5], "max_tokens": 3, "ignore_eos": True})
+
+    def generated() -> float:
+        status, text = api.request("GET", "/metrics")
+        assert status == 200 and isinstance(text, str)
+        samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+        return float(samples["kvengine:generation_tokens_total"])
+
+    assert wait_until(lambda: generated() >= 3, 60)  # the engine publishes its counters every stats interval
+
+
+def test_several_api_processes_share_the_port(start_server):
+    api = start_api_server(start_server, *SMALL, "--api-server-count", "2")
+    processes = [p for p in processes_in_group(api.server.proc.pid) if "launch.api_server.process" in cmdline(p)]
+    assert len(processes) == 2
+
+    async def run() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{api.base_url}/v1", api_key="unused", max_retries=0)
+        try:
+            done = await asyncio.gather(*(client.completions.create(
+                model="tiny", prompt=[3, i], max_tokens=4, extra_body={"ignore_eos": True}) for i in range(32)))
+        finally:
+            await client.close()
+        return [d.choices[0].finish_reason for d in done]
+
+    assert asyncio.run(run()) == ["length"] * 32
+
+
+def test_a_dead_engine_answers_503(start_server):
+    api = start_api_server(start_server, "--max-model-len", "2048", "--kv-cache-memory-bytes", "16MiB")
+    answer: list[tuple[int, dict | str]] = []
+    thread = threading.Thread(target=lambda: answer.append(api.request("POST", "/v1/completions", {
+        "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True})))
+    thread.start()
+    assert wait_until(lambda: stats(api.server.address).num_running_reqs == 1, 120)
+    os.kill(api.server.worker_pids()[0], signal.SIGKILL)
+    thread.join()
+    status, body = answer[0]
+    assert status == 503 and isinstance(body, dict) and body["error"]["code"] == 503
