@@ -172,9 +172,11 @@ def engine_command(engine: str, args: argparse.Namespace, model: str, prompts_fi
     return [sys.executable, *runner], env
 
 
-def run_round(engine: str, args, model: str, prompts_file: str) -> tuple[dict | None, float]:
+def run_round(engine: str, args, model: str, prompts_file: str, flags: str) -> tuple[dict | None, float]:
     """One engine's times, and the cores other processes used meanwhile (None: it failed)."""
     cmd, env = engine_command(engine, args, model, prompts_file)
+    if flags:
+        cmd.append(f"--flags={flags}")
     busy, mine, start = cpu_busy_seconds(), children_cpu_seconds(), time.monotonic()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     wall = time.monotonic() - start
@@ -217,14 +219,17 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-foreign-load", type=float, default=0.2, help="cores other processes may use during a run")
     p.add_argument("--model", help="HF model folder (default: the built-in model's shape, written to a temp folder)")
-    p.add_argument("--run", choices=ENGINES, help=argparse.SUPPRESS)
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="one more kvengine engine with these serve flags, e.g. 'bs128=--block-size 128' (repeatable)")
+    p.add_argument("--run", help=argparse.SUPPRESS)
+    p.add_argument("--flags", default="", help=argparse.SUPPRESS)
     p.add_argument("--prompts", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.run:
         prompts = json.loads(Path(args.prompts).read_text())
-        if args.run.startswith("kvengine"):
+        if args.run.startswith("kvengine") or args.flags:
             flags = ["--cpu-threads-bind", f"0-{(os.cpu_count() or 1) - 1}"] if args.run == "kvengine-2c" else []
-            times = run_kvengine(args.model, prompts, args.output_len, flags)
+            times = run_kvengine(args.model, prompts, args.output_len, flags + args.flags.split())
         elif args.run.startswith("vllm"):
             times = run_vllm(args.model, prompts, args.output_len)
         else:
@@ -232,7 +237,8 @@ def main() -> int:
         print(json.dumps(times))
         return 0
 
-    engines = [e for e in args.engines.split(",") if args.vllm_venv or not e.startswith("vllm")]
+    variants = dict(v.split("=", 1) for v in args.variant)
+    engines = [e for e in args.engines.split(",") if e and (args.vllm_venv or not e.startswith("vllm"))] + list(variants)
     work = Path(tempfile.mkdtemp(prefix="peer-bench-"))
     model = args.model
     if model is None:
@@ -249,7 +255,7 @@ def main() -> int:
             if not wait_quiet(args.max_foreign_load):
                 print(f"round {r + 1} {engine}: the machine never got quiet; skipped", file=sys.stderr)
                 continue
-            times, foreign = run_round(engine, args, model, str(prompts_file))
+            times, foreign = run_round(engine, args, model, str(prompts_file), variants.get(engine, ""))
             verdict = "kept" if times and foreign <= args.max_foreign_load else "discarded"
             print(f"round {r + 1} {engine}: {times} (other processes: {foreign:.2f} cores) {verdict}", file=sys.stderr)
             if verdict == "kept":
