@@ -20,10 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine_core.core import EngineCore  # noqa: E402
-from protocol import EngineCoreRequest, SamplingParams  # noqa: E402
-from protocol.config import engine_config  # noqa: E402
-from worker.inproc_executor import InProcExecutor  # noqa: E402
+from engine_core.core import EngineCore
+from protocol import EngineCoreRequest, SamplingParams
+from protocol.config import engine_config
+from worker.inproc_executor import InProcExecutor
 
 
 def plain_torch_layers(model) -> None:
