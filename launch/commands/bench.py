@@ -11,12 +11,14 @@ import json
 import random
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
 from launch.client import AsyncEngineClient, EngineDeadError, install_uvloop
 from launch.config_args import add_config_args, config_from_args
+from launch.http_stream import HttpError, get_json, post_sse
 from launch.local_server import LOCAL_SERVER_AREAS, Interrupted, LocalServer, ServerStartError, run_until_signal
 from launch.percentiles import percentile
 from protocol import SamplingParams, SchedulerStats
@@ -29,6 +31,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                                    "server stops with this command, also when it is killed. SIGINT / SIGTERM: "
                                    "one line and exit code 130 / 143.")
     p.add_argument("--connect", metavar="ADDRESS", default=None, help="address of a running `kvengine serve`")
+    p.add_argument("--backend", choices=["kvengine", "openai"], default="kvengine",
+                   help="kvengine: the native ZeroMQ client; openai: streamed /v1/completions of any "
+                        "OpenAI-compatible server at --base-url (prompts sent as token ids)")
+    p.add_argument("--base-url", default=None, help="with --backend openai: e.g. http://127.0.0.1:8000")
     p.add_argument("--workload", choices=["random", "shared-prefix", "multi-turn"], default="random")
     p.add_argument("--num-prompts", type=int, default=64, help="requests (multi-turn: conversations)")
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens (shared-prefix: prefix included)")
@@ -92,10 +98,36 @@ async def run_one(client: AsyncEngineClient, prompt: list[int],
     return result, output
 
 
-async def drive(client: AsyncEngineClient, args: argparse.Namespace) -> tuple[list[RequestResult], float]:
+async def run_one_openai(url: str, model: str, prompt: list[int], args: argparse.Namespace,
+                         rng: random.Random) -> tuple[RequestResult, list[int]]:
+    """One streamed completion; its output stands in as random ids of the same length (text has no ids)."""
+    payload = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": args.temperature,
+               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if args.temperature > 0:
+        payload["seed"] = args.seed
+    start = last = time.perf_counter()
+    result = RequestResult(ttft=0.0, latency=0.0, output_tokens=0, finish_reason=None)
+    chunks = 0
+    async for event in post_sse(url, payload):
+        now = time.perf_counter()
+        for choice in event.get("choices") or []:
+            if choice.get("text"):
+                if chunks == 0:
+                    result.ttft = now - start
+                else:
+                    result.itls.append(now - last)
+                last, chunks = now, chunks + 1
+            result.finish_reason = choice.get("finish_reason") or result.finish_reason
+        if event.get("usage"):
+            result.output_tokens = event["usage"]["completion_tokens"]
+    result.latency = time.perf_counter() - start
+    result.output_tokens = result.output_tokens or chunks
+    return result, [rng.randrange(args.vocab_size) for _ in range(result.output_tokens)]
+
+
+async def drive(send: Callable[[list[int]], Awaitable[tuple[RequestResult, list[int]]]],
+                args: argparse.Namespace) -> tuple[list[RequestResult], float]:
     rng = random.Random(args.seed)
-    params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True,
-                            seed=args.seed if args.temperature > 0 else None)
     limit = asyncio.Semaphore(args.max_concurrency or 1 << 30)
     results: list[RequestResult] = []
     turns = args.turns if args.workload == "multi-turn" else 1
@@ -105,7 +137,7 @@ async def drive(client: AsyncEngineClient, args: argparse.Namespace) -> tuple[li
         history = prompt
         for _ in range(turns):
             async with limit:
-                result, output = await run_one(client, history, params)
+                result, output = await send(history)
             results.append(result)
             bar.update()
             history = history + output + [rng.randrange(args.vocab_size) for _ in range(args.input_len // 4)]
@@ -127,10 +159,17 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {f"p{q}": percentile(values, q) or 0.0 for q in (50, 90, 99)}
 
 
-def summarize(results: list[RequestResult], elapsed: float, before: SchedulerStats, after: SchedulerStats) -> dict:
+def summarize(results: list[RequestResult], elapsed: float, before: SchedulerStats | None,
+              after: SchedulerStats | None) -> dict:
+    """Stats None (another engine over HTTP): no prefix-cache hit rate nor preemption count."""
     out_tokens = sum(r.output_tokens for r in results)
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in results if r.output_tokens > 1]
-    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    engine: dict = {"prefix_cache_hit_rate": None, "preemptions": None}
+    if before is not None and after is not None:
+        queries = after.prefix_cache_queries - before.prefix_cache_queries
+        hits = after.prefix_cache_hits - before.prefix_cache_hits
+        engine = {"prefix_cache_hit_rate": hits / queries if queries else 0.0,
+                  "preemptions": after.num_preemptions - before.num_preemptions}
     return {
         "requests": len(results),
         "failed": sum(r.finish_reason not in ("length", "stop") for r in results),
@@ -140,8 +179,7 @@ def summarize(results: list[RequestResult], elapsed: float, before: SchedulerSta
         "output_tokens_per_s": out_tokens / elapsed,
         "ttft_ms": {k: v * 1000 for k, v in percentiles([r.ttft for r in results]).items()},
         "tpot_ms": {k: v * 1000 for k, v in percentiles(tpots).items()},
-        "prefix_cache_hit_rate": (after.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else 0.0,
-        "preemptions": after.num_preemptions - before.num_preemptions,
+        **engine,
     }
 
 
@@ -156,8 +194,9 @@ def format_table(summary: dict, args: argparse.Namespace) -> str:
     for name in ("ttft_ms", "tpot_ms"):
         label = "time to first token" if name == "ttft_ms" else "time per output token"
         rows += [(f"{label} {p} (ms)", f"{v:.2f}") for p, v in summary[name].items()]
-    rows += [("prefix-cache hit rate", f"{summary['prefix_cache_hit_rate']:.1%}"),
-             ("preemptions", summary["preemptions"])]
+    hit_rate, preemptions = summary["prefix_cache_hit_rate"], summary["preemptions"]
+    rows += [("prefix-cache hit rate", "n/a" if hit_rate is None else f"{hit_rate:.1%}"),
+             ("preemptions", "n/a" if preemptions is None else preemptions)]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -170,14 +209,27 @@ async def sample_stats(client: AsyncEngineClient, period: float, samples: list[t
         await asyncio.sleep(period)
 
 
+async def _bench_openai(args: argparse.Namespace) -> tuple[dict, list[tuple[float, SchedulerStats]]]:
+    base = args.base_url.rstrip("/").removesuffix("/v1")
+    model = (await get_json(f"{base}/v1/models"))["data"][0]["id"]
+    rng = random.Random(args.seed + 1)
+    results, elapsed = await drive(
+        lambda prompt: run_one_openai(f"{base}/v1/completions", model, prompt, args, rng), args)
+    return summarize(results, elapsed, None, None), []
+
+
 async def _bench(args: argparse.Namespace, config: EngineConfig) -> tuple[dict, list[tuple[float, SchedulerStats]]]:
+    if args.backend == "openai":
+        return await _bench_openai(args)
+    params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True,
+                            seed=args.seed if args.temperature > 0 else None)
     server = contextlib.nullcontext() if args.connect else LocalServer(config, args.server_log)
     samples: list[tuple[float, SchedulerStats]] = []
     async with server as local, AsyncEngineClient(local.address if local else args.connect) as client:
         await client.wait_ready()
         before = await client.get_stats()
         sampler = asyncio.create_task(sample_stats(client, args.stats_period, samples)) if args.plot else None
-        results, elapsed = await drive(client, args)
+        results, elapsed = await drive(lambda prompt: run_one(client, prompt, params), args)
         if sampler is not None:
             sampler.cancel()
             await asyncio.gather(sampler, return_exceptions=True)
@@ -191,6 +243,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvengine bench: {e}", file=sys.stderr)
         return 2
+    if args.backend == "openai" and (args.base_url is None or args.plot or args.connect):
+        print("kvengine bench: --backend openai needs --base-url, and takes neither --connect nor --plot",
+              file=sys.stderr)
+        return 2
     if args.plot:
         from launch.plot import check_matplotlib
 
@@ -198,7 +254,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     install_uvloop()
     try:
         summary, samples = run_until_signal(_bench(args, config))
-    except (EngineDeadError, ServerStartError) as e:
+    except (EngineDeadError, ServerStartError, HttpError, OSError) as e:
         print(f"kvengine bench: {e}", file=sys.stderr)
         return 1
     except Interrupted as e:
