@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import sys
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ import pytest
 from launch.client import AsyncEngineClient
 from launch.local_server import ServerStartError, wait_until_serving
 from protocol import SamplingParams
-from tests.e2e.conftest import CommandProcess
+from tests.e2e.conftest import CommandProcess, wait_until
 from tests.e2e.test_observability import free_port
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -215,6 +216,37 @@ def run_python(unit: str, ctx: Context) -> None:
     assert "length" in proc.stdout() and "SchedulerStats(" in proc.stdout()
 
 
+def http_chat_server(ctx: Context) -> None:
+    """Start the README's SmolLM2 HTTP server (its --port and 127.0.0.1:8000 map to one free port)."""
+    line = readme_unit(r"kvengine serve --served-model-name smollm2")
+    ctx.serve(line, gguf_prelude(), **{"--kv-cache-memory-bytes": "256MiB", "--address": f"ipc://{ctx.path}/chat.sock"})
+    health = f"http://127.0.0.1:{ctx.port('8000')}/health"
+    assert wait_until(lambda: http_status(health) == 200, 120)
+
+
+def http_status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.status
+    except OSError:
+        return None
+
+
+def run_http_curl(unit: str, ctx: Context) -> None:
+    http_chat_server(ctx)
+    proc = ctx.run(unit)
+    assert "Paris" in json.loads(proc.stdout())["choices"][0]["message"]["content"]
+
+
+def run_http_python(unit: str, ctx: Context) -> None:
+    http_chat_server(ctx)
+    script = ctx.path / "chat.py"
+    script.write_text(ctx.localize(unit.split("\n", 1)[1]))
+    proc = ctx.run(f"python {script}")
+    first, second = proc.stdout().strip().splitlines()
+    assert "Paris" in first and first == second
+
+
 # README unit (a regex matched at its start) -> what this test does with it: run it, or a reason to skip it.
 RULES: dict[str, Callable[[str, Context], None] | str] = {
     r"pip install ": "installs packages: .ci/run installs the project the way the README says",
@@ -235,7 +267,10 @@ RULES: dict[str, Callable[[str, Context], None] | str] = {
     r"kvengine events": run_events,
     r"kvengine simulate": run_simulate,
     r"kvengine make-model": run_make_model,
-    r"```python\n": run_python,
+    r"```python\nimport asyncio": run_python,
+    r"kvengine serve --served-model-name smollm2": "the HTTP chat server: the curl and openai rules start it",
+    r"curl -s http://127.0.0.1:8000/v1/chat": run_http_curl,
+    r"```python\nfrom openai": run_http_python,
 }
 
 
