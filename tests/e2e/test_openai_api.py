@@ -5,6 +5,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import threading
 
 import openai
@@ -13,7 +14,7 @@ import pytest
 from launch.api_server.text_model import load_text_model
 from launch.client import AsyncEngineClient
 from protocol import SamplingParams
-from tests.e2e.conftest import cmdline, processes_in_group, wait_until
+from tests.e2e.conftest import cmdline, processes_in_group, wait_exit, wait_until
 from tests.e2e.openai_server import SMALL, sse_events, start_api_server
 
 PROMPT_IDS = [5, 17, 300, 42, 9, 77, 81]
@@ -230,3 +231,30 @@ def test_a_dead_engine_answers_503(start_server):
     thread.join()
     status, body = answer[0]
     assert status == 503 and isinstance(body, dict) and body["error"]["code"] == 503
+
+
+def test_stop_token_ids_end_the_choice(api):
+    body = {"model": "tiny", "prompt": PROMPT_IDS, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+    async def native() -> list[int]:
+        tokens: list[int] = []
+        async with AsyncEngineClient(api.server.address) as client:
+            async for out in client.generate(PROMPT_IDS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)):
+                tokens += out.new_token_ids
+        return tokens
+
+    tokens = asyncio.run(native())
+    stop_at = tokens.index(tokens[4])  # the first place the fifth token appears
+    status, answer = api.request("POST", "/v1/completions", {**body, "stop_token_ids": [tokens[4]]})
+    assert status == 200 and answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["usage"]["completion_tokens"] == stop_at + 1
+
+
+def test_a_taken_http_port_is_a_clear_start_up_error(start_server):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = start_server("--port", str(port), *SMALL)
+        assert wait_exit(server.proc) == 1
+    assert f"cannot listen on http://127.0.0.1:{port}" in server.output() and "Traceback" not in server.output()
