@@ -14,7 +14,7 @@ from launch.api_server.errors import ApiError, bad_body
 from launch.api_server.metrics_proxy import CONTENT_TYPE, fetch_metrics
 from launch.api_server.prompts import chat_messages, completion_prompts
 from launch.api_server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from launch.api_server.serving import Served, collect, generate, now, sse_stream, usage
+from launch.api_server.serving import Piece, Served, collect, generate, now, sse_stream, usage
 from launch.client import EngineDeadError
 
 T = TypeVar("T")
@@ -66,17 +66,18 @@ def create_app(served: Served, lifespan=None) -> FastAPI:
         response_id, streams = await generate(served, req, prompts, req.max_tokens, "cmpl")
         base = {"id": response_id, "object": "text_completion", "created": now(), "model": served.model_name}
 
-        def choice(index: int, text: str, finish_reason: str | None) -> dict:
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        def choice(piece: Piece, finish_reason: str | None) -> dict:
+            out = {"index": piece.index, "text": piece.text, "logprobs": None, "finish_reason": finish_reason}
+            return {**out, "token_ids": piece.token_ids} if req.return_token_ids else out
 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return event_stream(sse_stream(
                 streams, prompts, include_usage,
-                lambda p: {**base, "choices": [choice(p.index, p.text, p.finish_reason)]},
+                lambda p: {**base, "choices": [choice(p, p.finish_reason)]},
                 lambda u: {**base, "choices": [], "usage": u}, []))
-        texts, finals = await until_disconnected(request, collect(streams))
-        choices = [choice(i, t, f.finish_reason) for i, (t, f) in enumerate(zip(texts, finals, strict=True))]
+        wholes, finals = await until_disconnected(request, collect(streams))
+        choices = [choice(w, f.finish_reason) for w, f in zip(wholes, finals, strict=True)]
         return json_response({**base, "choices": choices, "usage": usage(prompts, finals)})
 
     @app.post("/v1/chat/completions")
@@ -98,9 +99,11 @@ def create_app(served: Served, lifespan=None) -> FastAPI:
                 streams, [prompt], include_usage,
                 lambda p: chunk({"content": p.text} if p.text else {}, p.finish_reason),
                 lambda u: {**base, "choices": [], "usage": u}, [chunk({"role": "assistant", "content": ""})]))
-        texts, finals = await until_disconnected(request, collect(streams))
-        message = {"role": "assistant", "content": texts[0]}
+        wholes, finals = await until_disconnected(request, collect(streams))
+        message = {"role": "assistant", "content": wholes[0].text}
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finals[0].finish_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = wholes[0].token_ids
         return json_response({**base, "object": "chat.completion", "choices": [choice],
                               "usage": usage([prompt], finals)})
 

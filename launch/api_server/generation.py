@@ -15,6 +15,7 @@ class Piece:
 
     index: int
     text: str
+    token_ids: list[int]  # the tokens that arrived since the previous piece
     finish_reason: str | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -43,18 +44,20 @@ async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> As
 async def pieces(index: int, outputs: AsyncIterator[RequestOutput], detok: IncrementalDetokenizer,
                  ) -> AsyncIterator[Piece]:
     """Text pieces until the engine finishes or a stop string appears (leaving the loop aborts the request)."""
-    count = 0
+    count, ids = 0, []
     try:
         async for out in outputs:
             count += len(out.new_token_ids)
+            ids += out.new_token_ids
             text = detok.add(out.new_token_ids, final=out.finished)
             if detok.stopped or out.finished:
                 reason = "stop" if detok.stopped else out.finish_reason
-                yield Piece(index, text, reason, count, out.num_cached_tokens)
+                yield Piece(index, text, ids, reason, count, out.num_cached_tokens)
                 return
             if text:
-                yield Piece(index, text)
+                yield Piece(index, text, ids)
+                ids = []
     except EngineDeadError:  # the status line has left: the choice ends with finish_reason "error"
-        yield Piece(index, detok.add([], final=True), "error", count)
+        yield Piece(index, detok.add([], final=True), ids, "error", count)
     finally:
         await outputs.aclose()  # type: ignore[attr-defined]

@@ -24,6 +24,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
+    return_token_ids: bool = False  # an extension: each choice (or chunk) also carries its token ids
 
 
 class CompletionRequest(_Sampling, kw_only=True):

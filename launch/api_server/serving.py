@@ -111,17 +111,18 @@ def usage(prompts: list[list[int]], finals: list[Piece]) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(p.cached_tokens for p in finals)}}
 
 
-async def collect(streams: list[AsyncIterator[Piece]]) -> tuple[list[str], list[Piece]]:
-    """Whole texts and final pieces, by choice."""
-    texts: list[list[str]] = [[] for _ in streams]
-    finals: list[Piece] = [Piece(i, "") for i in range(len(streams))]
+async def collect(streams: list[AsyncIterator[Piece]]) -> tuple[list[Piece], list[Piece]]:
+    """The whole text and token ids of each choice (as one piece), and its final piece."""
+    wholes = [Piece(i, "", []) for i in range(len(streams))]
+    finals = [Piece(i, "", []) for i in range(len(streams))]
     async for piece in merge(streams):
-        texts[piece.index].append(piece.text)
+        wholes[piece.index].text += piece.text
+        wholes[piece.index].token_ids += piece.token_ids
         if piece.finish_reason is not None:
             finals[piece.index] = piece
     if any(f.finish_reason in ("error", "abort") for f in finals):
         raise ApiError(503, "the engine stopped before the request finished")
-    return ["".join(t) for t in texts], finals
+    return wholes, finals
 
 
 def sse(data: object) -> bytes:

@@ -58,10 +58,18 @@ def test_greedy_tokens_over_http_equal_the_native_clients(api):
                 tokens += out.new_token_ids
         return tokens
 
-    status, body = api.request("POST", "/v1/completions", {
-        "model": "tiny", "prompt": PROMPT_IDS, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+    request = {"model": "tiny", "prompt": PROMPT_IDS, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+               "return_token_ids": True}
+    status, body = api.request("POST", "/v1/completions", request)
+    tokens = asyncio.run(native())
     assert status == 200 and body["usage"]["completion_tokens"] == 12
-    assert body["choices"][0]["text"] == load_text_model(None).decode(asyncio.run(native()))
+    assert body["choices"][0]["token_ids"] == tokens
+    assert body["choices"][0]["text"] == load_text_model(None).decode(tokens)
+    conn = http.client.HTTPConnection("127.0.0.1", api.port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({**request, "stream": True}))
+    chunks = [json.loads(e) for e in sse_events(conn.getresponse()) if e != "[DONE]"]
+    conn.close()
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == tokens
 
 
 def test_raw_sse_stream_with_lists_of_prompts_and_usage(api):
