@@ -30,6 +30,7 @@ async def start(engine: AsyncEngineClient, prompt: list[int], params: SamplingPa
     except EngineDeadError as e:
         raise ApiError(503, f"the engine is not available: {e}") from None
     if first.finish_reason == "error":
+        await outputs.aclose()  # type: ignore[attr-defined]
         error = first.error or "the engine refused the request"
         raise ApiError(400 if error.startswith("the prompt") else 503, error)  # else: overloaded or stopping
     return _chain(first, outputs)

@@ -59,14 +59,14 @@ async def generate(served: Served, req: Request, prompts: list[list[int]], max_t
     """Send every prompt to the engine; (response id, one piece stream per choice) once all are accepted."""
     response_id = f"{prefix}-{uuid.uuid4().hex}"
     params = [sampling_params(req, p, max_tokens, served.max_model_len) for p in prompts]
-    started = []
-    try:
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            started.append(await start(served.engine, prompt, p, f"{response_id}-{i}"))
-    except BaseException:
+    results = await asyncio.gather(*(start(served.engine, prompt, p, f"{response_id}-{i}")
+                                     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))),
+                                   return_exceptions=True)
+    started = [r for r in results if not isinstance(r, BaseException)]
+    if len(started) < len(results):  # one was refused: abort the others, answer with the refusal
         for outputs in started:
             await outputs.aclose()  # type: ignore[attr-defined]
-        raise
+        raise next(r for r in results if isinstance(r, BaseException))
     stop = stop_strings(req.stop)
     streams = [pieces(i, outputs, IncrementalDetokenizer(served.text.decode, prompt, stop))
                for i, (prompt, outputs) in enumerate(zip(prompts, started, strict=True))]

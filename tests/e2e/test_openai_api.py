@@ -266,3 +266,10 @@ def test_a_taken_http_port_is_a_clear_start_up_error(start_server):
         server = start_server("--port", str(port), *SMALL)
         assert wait_exit(server.proc) == 1
     assert f"cannot listen on http://127.0.0.1:{port}" in server.output() and "Traceback" not in server.output()
+
+
+def test_a_refused_prompt_in_a_list_aborts_the_others(api):
+    body = {"prompt": [[5, 6, 7], [5, 6, 1 << 20]], "max_tokens": 200, "ignore_eos": True}
+    status, answer = api.request("POST", "/v1/completions", body)
+    assert status == 400 and "outside the vocabulary" in answer["error"]["message"]
+    assert wait_until(lambda: stats(api.server.address).num_running_reqs == 0, 120)
