@@ -73,10 +73,12 @@ class EngineCore:
                                    reports[0].eos_token_ids, reports[0].vocab_size)
         self._pending: list[EngineCoreOutput] = []  # rejections and aborts, sent with the next step
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(self, request: EngineCoreRequest) -> EngineCoreOutput | None:
+        """Queue a request; if it can never run, its error output (also sent with the next step's outputs)."""
         rejected = self.scheduler.add_request(request)
         if rejected is not None:
             self._pending.append(rejected)
+        return rejected
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self._pending.extend(self.scheduler.abort_requests(request_ids))

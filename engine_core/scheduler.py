@@ -9,7 +9,6 @@ When a running request cannot get a block, the newest running request (or, with 
 policy, the least important) is preempted: its blocks are freed and it is recomputed later.
 """
 
-import logging
 from collections.abc import Iterable
 
 from engine_core.kv_cache.hashing import get_hash_fn, get_request_block_hasher
@@ -17,7 +16,6 @@ from engine_core.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from engine_core.kv_cache.planning import blocks_per_request
 from engine_core.request import FINISH_REASON, Request, RequestStatus
 from engine_core.request_queue import make_request_queue
-from engine_core.safe_log import safe_for_log
 from protocol import (
     CachedRequestData,
     EngineCoreOutput,
@@ -30,8 +28,6 @@ from protocol import (
     block_ids_digest,
 )
 from protocol.config import EngineConfig
-
-logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -75,10 +71,10 @@ class Scheduler:
     # ---- requests in and out ---------------------------------------------------------------
 
     def add_request(self, req: EngineCoreRequest) -> EngineCoreOutput | None:
-        """Queue a request, or return its error output if it can never run."""
+        """Queue a request, or return its error output if it can never run (the caller logs it: a server
+        limits such warnings per client)."""
         error = self._validate(req)
         if error is not None:
-            logger.warning("Rejected request %s: %s", safe_for_log(req.request_id), error)
             return EngineCoreOutput(req.request_id, [], finish_reason="error", error=error)
         request = Request(
             req.request_id,

@@ -8,7 +8,7 @@ import pytest
 import zmq
 
 from launch.client import AsyncEngineClient
-from protocol import EngineCoreOutputs
+from protocol import EngineCoreOutputs, EngineCoreRequest, SamplingParams
 from protocol.codec import client_codec, outputs_codec
 from protocol.messages import EngineCoreGetStats
 from tests.e2e.conftest import ServerProcess, wait_until
@@ -102,3 +102,28 @@ def test_warnings_about_one_flooding_client_are_limited_and_the_rest_counted(ser
     logged = len(re.findall(rf"Dropped a malformed client message.*\(client {name}\)", log))
     suppressed = sum(int(n) for n in suppressed_line.findall(log))
     assert logged <= 100 and logged + suppressed == floods, (logged, suppressed)
+
+
+def test_warnings_about_requests_that_can_never_run_are_limited_per_client(server):
+    """Well-formed requests the scheduler refuses (here: empty prompts) each get an error output, and the
+    warnings about them are limited per client like those about garbage."""
+    requests, identity = 300, b"refused-requests"
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, identity)
+    codec, errors = client_codec(), []
+    try:
+        sock.connect(server.address)
+        for i in range(requests):
+            sock.send(codec.encode(EngineCoreRequest(f"empty-{i}", [], SamplingParams(max_tokens=4), 0.0)))
+        while len(errors) < requests:
+            assert sock.poll(LIVENESS * 1000), f"the server answered {len(errors)} of {requests} requests"
+            reply: EngineCoreOutputs = outputs_codec().decode(sock.recv())
+            errors += [out for out in reply.outputs if out.finish_reason == "error"]
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    assert all("prompt" in out.error for out in errors), errors[0].error
+    name = identity.hex()[:16]
+    assert wait_until(lambda: f"More than 10 warnings about client {name}" in server.output(), LIVENESS)
+    assert len(re.findall(rf"Rejected request 'empty-\d+': .*\(client {name}\)", server.output())) == 10
