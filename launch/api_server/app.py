@@ -42,7 +42,10 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
         watch.cancel()
         if not task.done():
             task.cancel()
-    return await task
+            await asyncio.wait([task])
+    if task.cancelled():
+        raise ApiError(499, "the client closed the connection")  # no one reads it; the request ends quietly
+    return task.result()
 
 
 async def _disconnect(request: Request) -> None:

@@ -5,7 +5,7 @@ import re
 import msgspec
 from fastapi.responses import Response
 
-TYPES = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError", 503: "ServiceUnavailableError"}
+TYPES = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError", 499: "ClientClosedRequest", 503: "ServiceUnavailableError"}
 
 
 class ApiError(Exception):

@@ -140,6 +140,7 @@ def test_a_client_that_disconnects_aborts_its_stream(start_server):
     conn.close()
     assert wait_until(lambda: stats(api.server.address).num_running_reqs == 0, 120)
     assert idle_after_abort(api, before, 2000)
+    assert "Traceback" not in api.server.output()
 
 
 def test_a_client_that_disconnects_aborts_its_non_streamed_request(start_server):
@@ -152,6 +153,7 @@ def test_a_client_that_disconnects_aborts_its_non_streamed_request(start_server)
     conn.close()
     assert wait_until(lambda: stats(api.server.address).num_running_reqs == 0, 120)
     assert idle_after_abort(api, before, 2000)
+    assert "Traceback" not in api.server.output()
 
 
 @pytest.mark.parametrize(("body", "status", "param", "words"), [
