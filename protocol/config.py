@@ -37,10 +37,12 @@ class ModelConfig(_Area, frozen=True):
         "weights and KV cache; auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, float32 on other CPUs")] = "auto"
     max_model_len: Annotated[PositiveInt | None, setting(
         "longest prompt + output in tokens; default: the model's max_position_embeddings")] = None
-    attention_backend: Annotated[Literal["auto", "cpu", "torch"], setting(
+    attention_backend: Annotated[Literal["auto", "cpu", "torch", "triton"], setting(
         "attention over the paged cache. cpu: a C++ kernel that reads K/V in place through the block tables "
-        "(compiled on first use, cached under ~/.cache/kvengine); torch: gather + SDPA, any device, the reference; "
-        "auto: cpu on CPU (torch if the kernel cannot be built), torch on CUDA")] = "auto"
+        "(compiled on first use, cached under ~/.cache/kvengine); triton: a Triton kernel that does the same on "
+        "CUDA (needs kvengine[cuda]; on CPU only with TRITON_INTERPRET=1); torch: gather + SDPA, any device, "
+        "the reference; auto: cpu on CPU (torch if the kernel cannot be built), triton on CUDA (torch if triton "
+        "is not installed)")] = "auto"
 
 
 class CacheConfig(_Area, frozen=True):

@@ -1,15 +1,18 @@
-"""The two ways a layer attends over the paged cache; the runner picks one at start-up (--attention-backend).
+"""The ways a layer attends over the paged cache; the runner picks one at start-up (--attention-backend).
 
-Both take the same step (StepRequests and each group's block table) and the same layer inputs, write
+All take the same step (StepRequests and each group's block table) and the same layer inputs, write
 this step's K/V at their slots and return [tokens, heads * head_size]:
 - `cpu`: the C++ kernel of worker/ops, which reads K/V in place through the block table for the whole
   mixed batch (no gather, no padding);
+- `triton`: the Triton kernel of worker/ops/triton_attention.py, the same in-place reading for CUDA (on
+  CPU only under TRITON_INTERPRET=1, for tests); triton is imported lazily, so the worker runs without it;
 - `torch`: gathers each request's K/V and calls SDPA; runs on any device and is the reference the
-  kernel is tested against.
+  kernels are tested against.
 """
 
 import logging
-from typing import Literal
+import os
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -29,20 +32,42 @@ from worker.ops.cpu_attention import (
     load_extension,
 )
 
+if TYPE_CHECKING:
+    from worker.ops.triton_attention import TritonAttentionMetadata
+
 log = logging.getLogger(__name__)
 
-BackendName = Literal["torch", "cpu"]
+BackendName = Literal["torch", "cpu", "triton"]
+
+
+def triton_missing() -> str | None:
+    """Why the Triton kernel cannot be used in this environment, or None."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return f"triton is not installed (pip install 'kvengine[cuda]'): {e}"
+    return None
 
 
 def resolve_backend(requested: str, device: torch.device) -> BackendName:
-    """auto: the kernel on CPU (torch if it cannot be built here, with a warning), torch elsewhere.
-    Loads (first use on this machine: compiles) the kernel now, so the cost falls in start-up."""
+    """auto: the C++ kernel on CPU (torch if it cannot be built here, with a warning), the Triton kernel on
+    CUDA (torch if triton is missing, with a warning). Loads (first use on this machine: compiles) the C++
+    kernel now, so the cost falls in start-up."""
     if requested == "torch":
         return "torch"
+    if requested == "triton":
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("--attention-backend triton runs on CUDA; on the CPU only with TRITON_INTERPRET=1 set")
+        if (why := triton_missing()) is not None:
+            raise ValueError(f"--attention-backend triton: {why}")
+        return "triton"
     if device.type != "cpu":
         if requested == "cpu":
             raise ValueError(f"--attention-backend cpu runs on the CPU only, not on {device.type}")
-        return "torch"
+        if (why := triton_missing()) is not None:
+            log.warning("Attention falls back to the torch path: %s", why)
+            return "torch"
+        return "triton"
     try:
         load_extension()
     except CpuAttentionUnavailable as e:
@@ -82,4 +107,23 @@ class CpuKernelAttention:
         return cpu_paged_attention(q, k, v, cache, meta, scale)
 
 
-Attention = TorchAttention | CpuKernelAttention
+class TritonAttention:
+    """The Triton kernel: the CPU kernel's metadata (plus the longest query count, for the launch grid)."""
+
+    def __init__(self, block_size: int) -> None:
+        from worker.ops import triton_attention  # triton is optional: imported only when this backend is chosen
+
+        self.block_size = block_size
+        self.ops = triton_attention
+
+    def metadata(self, table: torch.Tensor, window: int | None, reqs: StepRequests) -> "TritonAttentionMetadata":
+        with table.device:  # build_cpu_metadata makes its offsets on the default device: the table's
+            meta = build_cpu_metadata(table, reqs.rows, reqs.num_computed, reqs.num_scheduled, self.block_size, window)
+        max_query_len = int(reqs.num_scheduled.max()) if reqs.num_scheduled.numel() else 0
+        return self.ops.TritonAttentionMetadata(**vars(meta), max_query_len=max_query_len)
+
+    def __call__(self, q, k, v, cache: torch.Tensor, meta: "TritonAttentionMetadata", scale: float) -> torch.Tensor:
+        return self.ops.triton_paged_attention(q, k, v, cache, meta, scale)
+
+
+Attention = TorchAttention | CpuKernelAttention | TritonAttention
