@@ -60,8 +60,9 @@ class Backlog:
             if queued is not None and queued.finish_reason is not None:
                 continue  # finished is final (fail_all at shutdown may add an abort)
             if queued is not None:
+                logprobs = None if out.logprobs is None else (queued.logprobs or []) + out.logprobs
                 out = EngineCoreOutput(out.request_id, queued.new_token_ids + out.new_token_ids, out.finish_reason,
-                                       out.num_cached_tokens, out.error)
+                                       out.num_cached_tokens, out.error, logprobs)
             self.outputs[out.request_id] = out
 
 

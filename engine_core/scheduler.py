@@ -273,6 +273,7 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, finish requests that are done, and say what each client gets."""
         sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=False))
+        logprobs = dict(zip(model_runner_output.req_ids, model_runner_output.logprobs or [], strict=False))
         outputs = []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
@@ -290,7 +291,9 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request, status)
                 reason = FINISH_REASON[status]
-            outputs.append(EngineCoreOutput(req_id, new_token_ids, reason, request.num_cached_tokens))
+            token_logprobs = logprobs.get(req_id)
+            outputs.append(EngineCoreOutput(req_id, new_token_ids, reason, request.num_cached_tokens,
+                                            logprobs=None if token_logprobs is None else [token_logprobs]))
         return outputs
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> tuple[list[int], RequestStatus | None]:

@@ -29,6 +29,7 @@ from protocol import (
     ProtocolError,
     SamplingParams,
     SchedulerStats,
+    TokenLogprobs,
 )
 from protocol.codec import client_codec, outputs_codec
 
@@ -49,6 +50,7 @@ class RequestOutput:
     finish_reason: str | None  # "length", "stop", "abort" or "error" on the last output
     num_cached_tokens: int
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, with SamplingParams(logprobs=k)
 
     @property
     def finished(self) -> bool:
@@ -201,7 +203,8 @@ class AsyncEngineClient:
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(RequestOutput(
-                    out.request_id, out.new_token_ids, out.finish_reason, out.num_cached_tokens, out.error
+                    out.request_id, out.new_token_ids, out.finish_reason, out.num_cached_tokens, out.error,
+                    out.logprobs,
                 ))
         if outputs.stats is not None:
             _answer_first(self._stats_waiters, outputs.stats)

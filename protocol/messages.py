@@ -60,12 +60,22 @@ ClientMessage = EngineCoreRequest | EngineCoreAbort | EngineCoreGetStats | Engin
 FinishReason = Literal["length", "stop", "abort", "error"]
 
 
+class TokenLogprobs(msgspec.Struct, **_struct):
+    """A sampled token's log-probability under the model (before temperature, top-k and top-p), and the
+    most likely tokens' ids and log-probabilities, most likely first."""
+
+    logprob: float
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class EngineCoreOutput(msgspec.Struct, **_struct):
     request_id: str
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None  # set once the request is finished
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # why the request was rejected or failed
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for them
 
 
 class SchedulerStats(msgspec.Struct, **_struct):
@@ -170,6 +180,7 @@ class ModelRunnerOutput(msgspec.Struct, tag=True, **_struct):
     step: int
     req_ids: list[str]
     sampled_token_ids: list[list[int]]  # per request; empty for a prefill chunk that samples nothing
+    logprobs: list[TokenLogprobs | None] | None = None  # per request, for those that asked (rank 0 only)
 
 
 class WorkerError(msgspec.Struct, tag=True, **_struct):

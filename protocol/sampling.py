@@ -13,6 +13,7 @@ MAX_INT32 = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TEMPERATURE = 100.0
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 GREEDY_TEMPERATURE = 1e-5  # below this a request samples greedily, as in vLLM: logits / 1e-45 overflow float32
 
 
@@ -29,6 +30,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     seed: int | None = None
     stop_token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: the sampled token's log-probability and the k most likely
 
     def __post_init__(self) -> None:
         _check_range("max_tokens", self.max_tokens, 1, MAX_INT32)
@@ -42,6 +44,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
             raise ValueError(f"stop_token_ids has {n} ids, more than the limit of {MAX_STOP_TOKEN_IDS}")
         for token in self.stop_token_ids:
             _check_range("stop_token_ids entries", token, 0, MAX_INT32)
+        if self.logprobs is not None:
+            _check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
 
     @property
     def greedy(self) -> bool:

@@ -4,14 +4,14 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol import KVCacheConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput
+from protocol import KVCacheConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
 from protocol.kv_cache_spec import num_skipped_blocks
 from protocol.sizes import cdiv
 from worker.attention import StepRequests
 from worker.attention_backends import Attention, BackendName, CpuKernelAttention, TorchAttention
 from worker.block_table import BlockTableMismatch, BlockTables
 from worker.model.llama import LlamaModel
-from worker.sampler import sample
+from worker.sampler import sample, token_logprobs
 
 
 @dataclass
@@ -80,8 +80,9 @@ class ModelRunner:
         self._null_out_of_window(batch)
         if so.block_table_digests is not None or self.check_block_tables:
             self._verify_tables(so, batch)
-        sampled = self._run(batch, so.num_scheduled_tokens)
-        return ModelRunnerOutput(step=so.step, req_ids=[r for r, _ in batch], sampled_token_ids=sampled)
+        sampled, logprobs = self._run(batch, so.num_scheduled_tokens)
+        return ModelRunnerOutput(step=so.step, req_ids=[r for r, _ in batch], sampled_token_ids=sampled,
+                                 logprobs=logprobs)
 
     def _verify_tables(self, so: SchedulerOutput, batch) -> None:
         digests = so.block_table_digests or {}
@@ -115,7 +116,8 @@ class ModelRunner:
                     skipped = num_skipped_blocks(nc, window, self.block_size)
                     self.tables.groups[g].null_skipped(self.tables.rows[req_id], skipped)
 
-    def _run(self, batch: list[tuple[str, int]], num_scheduled: dict[str, int]) -> list[list[int]]:
+    def _run(self, batch: list[tuple[str, int]],
+             num_scheduled: dict[str, int]) -> tuple[list[list[int]], list[TokenLogprobs | None] | None]:
         ids, counts, computed, samplers = [], [], [], []
         positions: list[int] = []
         for i, (req_id, nc) in enumerate(batch):
@@ -154,10 +156,14 @@ class ModelRunner:
         )
         return self._sample(batch, hidden, reqs, samplers)
 
-    def _sample(self, batch, hidden, reqs: StepRequests, samplers: list[int]) -> list[list[int]]:
+    def _sample(self, batch, hidden, reqs: StepRequests,
+                samplers: list[int]) -> tuple[list[list[int]], list[TokenLogprobs | None] | None]:
+        """Per request of the batch: its sampled token ([] for a prefill chunk that samples nothing), and on
+        rank 0 the log-probabilities of those that asked for them (None: no request did)."""
         out: list[list[int]] = [[] for _ in batch]
+        logprobs: list[TokenLogprobs | None] | None = None
         if not samplers:
-            return out
+            return out, logprobs
         last = (reqs.query_start + reqs.num_scheduled - 1)[samplers]
         rows = hidden[last]
         if self.pad_tokens:  # the LM head's matmul too
@@ -169,10 +175,15 @@ class ModelRunner:
             states = [self.requests[batch[i][0]] for i in samplers]
             positions = [len(s.token_ids) - s.num_prompt for s in states]
             token_ids = sample(logits, [s.params for s in states], positions)
+            if any(s.params.logprobs is not None for s in states):
+                logprobs = [None] * len(batch)
+                for i, lp in zip(samplers, token_logprobs(logits, token_ids, [s.params.logprobs for s in states]),
+                                 strict=True):
+                    logprobs[i] = lp
         for i, t in zip(samplers, self.tp.broadcast(token_ids).tolist(), strict=True):
             self.requests[batch[i][0]].token_ids.append(t)
             out[i] = [t]
-        return out
+        return out, logprobs
 
 
 def padded_num_tokens(n: int) -> int:

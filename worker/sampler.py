@@ -6,7 +6,7 @@ seed gives the same tokens, also when a preempted request recomputes and samples
 
 import torch
 
-from protocol import SamplingParams
+from protocol import SamplingParams, TokenLogprobs
 
 
 def _seed_at(seed: int, position: int) -> int:
@@ -48,3 +48,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_positions:
             noise[i].exponential_(generator=g)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(greedy, result, sampled)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top: list[int | None]) -> list[TokenLogprobs | None]:
+    """Per row with top[i] set: the log-probability of token_ids[i] under the raw logits, and the top[i] most
+    likely tokens (as vLLM reports them by default: before temperature, top-k and top-p)."""
+    rows = [i for i, k in enumerate(top) if k is not None]
+    if not rows:
+        return [None] * len(top)
+    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+    chosen = logprobs.gather(1, token_ids[rows].unsqueeze(1)).squeeze(1).tolist()
+    best, best_ids = logprobs.topk(max(top[i] or 0 for i in rows), dim=-1)
+    out: list[TokenLogprobs | None] = [None] * len(top)
+    for j, i in enumerate(rows):
+        k = top[i] or 0
+        out[i] = TokenLogprobs(chosen[j], best_ids[j, :k].tolist(), best[j, :k].tolist())
+    return out

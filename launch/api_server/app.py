@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from launch.api_server.errors import ApiError, bad_body
+from launch.api_server.logprobs import chat_logprobs, completion_logprobs
 from launch.api_server.metrics_proxy import CONTENT_TYPE, fetch_metrics
 from launch.api_server.prompts import chat_messages, completion_prompts
 from launch.api_server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -69,8 +70,15 @@ def create_app(served: Served, lifespan=None) -> FastAPI:
         response_id, streams = await generate(served, req, prompts, req.max_tokens, "cmpl")
         base = {"id": response_id, "object": "text_completion", "created": now(), "model": served.model_name}
 
+        text_offsets = [0] * len(prompts)  # per choice: characters sent so far, for logprobs' text_offset
+
         def choice(piece: Piece, finish_reason: str | None) -> dict:
-            out = {"index": piece.index, "text": piece.text, "logprobs": None, "finish_reason": finish_reason}
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = completion_logprobs(served.text.decode, piece.token_ids, piece.logprobs,
+                                               text_offsets[piece.index])
+            text_offsets[piece.index] += len(piece.text)
+            out = {"index": piece.index, "text": piece.text, "logprobs": logprobs, "finish_reason": finish_reason}
             return {**out, "token_ids": piece.token_ids} if req.return_token_ids else out
 
         if req.stream:
@@ -92,19 +100,23 @@ def create_app(served: Served, lifespan=None) -> FastAPI:
         response_id, streams = await generate(served, req, [prompt], max_tokens, "chatcmpl")
         base = {"id": response_id, "object": "chat.completion.chunk", "created": now(), "model": served.model_name}
 
-        def chunk(delta: dict, finish_reason: str | None = None) -> dict:
-            return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+        def logprobs(piece: Piece) -> dict | None:
+            return chat_logprobs(served.text.decode, piece.token_ids, piece.logprobs) if req.logprobs else None
+
+        def chunk(delta: dict, finish_reason: str | None = None, piece: Piece | None = None) -> dict:
+            return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": piece and logprobs(piece),
                                          "finish_reason": finish_reason}]}
 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return event_stream(sse_stream(
                 streams, [prompt], include_usage,
-                lambda p: chunk({"content": p.text} if p.text else {}, p.finish_reason),
+                lambda p: chunk({"content": p.text} if p.text else {}, p.finish_reason, p),
                 lambda u: {**base, "choices": [], "usage": u}, [chunk({"role": "assistant", "content": ""})]))
         wholes, finals = await until_disconnected(request, collect(streams))
         message = {"role": "assistant", "content": wholes[0].text}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finals[0].finish_reason}
+        choice = {"index": 0, "message": message, "logprobs": logprobs(wholes[0]),
+                  "finish_reason": finals[0].finish_reason}
         if req.return_token_ids:
             choice["token_ids"] = wholes[0].token_ids
         return json_response({**base, "object": "chat.completion", "choices": [choice],

@@ -38,16 +38,28 @@ class Served:
 def sampling_params(req: Request, prompt: list[int], max_tokens: int | None, max_model_len: int) -> SamplingParams:
     if req.n != 1:
         raise ApiError(400, "n must be 1 (one choice per prompt)", "n")
-    if req.logprobs or req.top_logprobs:
-        raise ApiError(400, "logprobs are not supported: the engine returns token ids only", "logprobs")
     try:
         return SamplingParams(
             max_tokens=max_tokens_for(prompt, max_tokens, max_model_len), temperature=req.temperature,
             top_k=0 if req.top_k == -1 else req.top_k, top_p=req.top_p, seed=req.seed,
-            stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
+            stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=requested_logprobs(req),
         )
     except ValueError as e:
         raise bad_param(e) from None
+
+
+def requested_logprobs(req: Request) -> int | None:
+    """Alternatives per token, or None for no log-probabilities: completions take logprobs=k (0..20); chat takes
+    logprobs=true with top_logprobs=k."""
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None
+    if req.top_logprobs is not None:
+        raise ApiError(400, "top_logprobs is a chat parameter; completions take logprobs=k", "top_logprobs")
+    if isinstance(req.logprobs, bool):
+        raise ApiError(400, "logprobs of a completion is the number of alternatives per token (0 to 20)", "logprobs")
+    return req.logprobs
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
@@ -118,6 +130,7 @@ async def collect(streams: list[AsyncIterator[Piece]]) -> tuple[list[Piece], lis
     async for piece in merge(streams):
         wholes[piece.index].text += piece.text
         wholes[piece.index].token_ids += piece.token_ids
+        wholes[piece.index].logprobs += piece.logprobs
         if piece.finish_reason is not None:
             finals[piece.index] = piece
     if any(f.finish_reason in ("error", "abort") for f in finals):

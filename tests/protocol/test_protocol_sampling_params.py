@@ -7,14 +7,22 @@ from hypothesis import strategies as st
 
 from protocol import EngineCoreRequest, ProtocolError, SamplingParams
 from protocol.codec import client_codec, engine_to_worker_codec
-from protocol.sampling import GREEDY_TEMPERATURE, INT64_MAX, INT64_MIN, MAX_INT32, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE
+from protocol.sampling import (
+    GREEDY_TEMPERATURE,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_INT32,
+    MAX_LOGPROBS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+)
 
 NAN = float("nan")
 INF = float("inf")
 FIELDS = list(SamplingParams.__struct_fields__)
 DEFAULTS = {
     "max_tokens": 16, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": None, "stop_token_ids": [],
-    "ignore_eos": False,
+    "ignore_eos": False, "logprobs": None,
 }
 
 INVALID = [
@@ -46,6 +54,8 @@ INVALID = [
     ("stop_token_ids", [5, 7, -2]),
     ("stop_token_ids", [MAX_INT32 + 1]),
     ("stop_token_ids", [2**64 - 1]),
+    ("logprobs", -1),
+    ("logprobs", MAX_LOGPROBS + 1),
 ]
 INVALID_IDS = [f"{f}={v!r}" for f, v in INVALID]
 # Values msgpack cannot carry, or refused by a type bound whose decode error names the limit, not the field

@@ -1,10 +1,11 @@
 """Sampler: greedy, top-k/top-p limits, and seeds tied to the output position."""
 
+import pytest
 import torch
 
 from protocol import SamplingParams
 from protocol.sampling import GREEDY_TEMPERATURE, INT64_MAX, INT64_MIN, MAX_INT32, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE
-from worker.sampler import sample
+from worker.sampler import sample, token_logprobs
 
 
 def logits(rows=4, vocab=50, seed=0):
@@ -69,3 +70,17 @@ def test_top_k_above_the_vocabulary_is_top_k_off():
     off = sample(x.expand(30, 50), seeded, [0] * 30)
     huge = sample(x.expand(30, 50), [SamplingParams(seed=s, top_k=MAX_INT32) for s in range(30)], [0] * 30)
     assert off.tolist() == huge.tolist()
+
+
+def test_token_logprobs_for_the_rows_that_ask():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 50, generator=g)
+    chosen = torch.tensor([7, 0, 49])
+    got = token_logprobs(logits, chosen, [2, None, 0])
+    expected = torch.log_softmax(logits, dim=-1)
+    assert got[1] is None
+    assert got[0].logprob == pytest.approx(float(expected[0, 7]), abs=1e-6)
+    assert got[0].top_token_ids == expected[0].topk(2).indices.tolist()
+    assert got[0].top_logprobs == pytest.approx(expected[0].topk(2).values.tolist(), abs=1e-6)
+    assert got[2].logprob == pytest.approx(float(expected[2, 49]), abs=1e-6) and got[2].top_token_ids == []
+    assert token_logprobs(logits, chosen, [None, None, None]) == [None, None, None]
