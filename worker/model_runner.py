@@ -8,7 +8,7 @@ from protocol import KVCacheConfig, ModelRunnerOutput, SamplingParams, Scheduler
 from protocol.kv_cache_spec import num_skipped_blocks
 from protocol.sizes import cdiv
 from worker.attention import StepRequests
-from worker.attention_backends import Attention, BackendName, CpuKernelAttention, TorchAttention
+from worker.attention_backends import Attention, BackendName, CpuKernelAttention, TorchAttention, TritonAttention
 from worker.block_table import BlockTableMismatch, BlockTables
 from worker.model.llama import LlamaModel
 from worker.sampler import sample, token_logprobs
@@ -56,10 +56,14 @@ class ModelRunner:
         self._check_windows(groups)
         max_blocks = cdiv(self.max_model_len, self.block_size)
         self.tables = BlockTables(len(groups), self.max_num_seqs, max_blocks, device)
-        self.attention: Attention = (
-            CpuKernelAttention(self.block_size) if self.attention_backend == "cpu"
-            else TorchAttention(self.block_size, self.max_model_len, m.kv_heads_per_rank, m.cfg.head_dim, dtype, device)
-        )
+        self.attention: Attention
+        if self.attention_backend == "cpu":
+            self.attention = CpuKernelAttention(self.block_size)
+        elif self.attention_backend == "triton":
+            self.attention = TritonAttention(self.block_size)
+        else:
+            self.attention = TorchAttention(self.block_size, self.max_model_len, m.kv_heads_per_rank, m.cfg.head_dim,
+                                            dtype, device)
         self.device = device
         # oneDNN JIT-compiles a matmul kernel per shape for bf16/fp16 on CPU, ~5 ms and ~1 MiB each, kept for the
         # life of the process: padding each step's token count to a few sizes bounds both (fp32 runs MKL's sgemm).

@@ -158,6 +158,5 @@ def test_worker_greedy_tokens_equal_transformers(tmp_path, family_name):
     folder = write_model(tmp_path, spec.pop("architecture"), eos_token_id=None, **spec)
     ragged = prompts([3, 17, 40])
     w, cfg = make_worker(folder, "triton")
-    if not isinstance(w.runner.attention, TritonAttention):  # a runner that builds the torch path for "triton"
-        w.runner.attention = TritonAttention(w.runner.block_size)
+    assert isinstance(w.runner.attention, TritonAttention)
     assert Driver(w, cfg, chunk=16).run(ragged, 6) == hf_greedy(folder, ragged, 6)
