@@ -22,7 +22,7 @@ from launch.http_stream import HttpError, get_json, post_sse
 from launch.local_server import LOCAL_SERVER_AREAS, Interrupted, LocalServer, ServerStartError, run_until_signal
 from launch.percentiles import percentile
 from protocol import SamplingParams, SchedulerStats
-from protocol.config import EngineConfig
+from protocol.config import EngineConfig, ServerConfig
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -46,7 +46,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     load = p.add_mutually_exclusive_group()
     load.add_argument("--request-rate", type=float, default=float("inf"),
                       help="Poisson arrivals per second (default: all at once)")
-    load.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    load.add_argument("--max-concurrency", type=int, default=None,
+                      help="at most this many requests in flight (default: all at once, up to a server's "
+                           "default per-client limit, --max-client-requests)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", default=None,
@@ -128,7 +130,8 @@ async def run_one_openai(url: str, model: str, prompt: list[int], args: argparse
 async def drive(send: Callable[[list[int]], Awaitable[tuple[RequestResult, list[int]]]],
                 args: argparse.Namespace) -> tuple[list[RequestResult], float]:
     rng = random.Random(args.seed)
-    limit = asyncio.Semaphore(args.max_concurrency or 1 << 30)
+    # One connection may hold at most a server's --max-client-requests: more would be refused as overloaded.
+    limit = asyncio.Semaphore(args.max_concurrency or ServerConfig().max_client_requests)
     results: list[RequestResult] = []
     turns = args.turns if args.workload == "multi-turn" else 1
     bar = tqdm(total=args.num_prompts * turns, desc="requests", unit="req", file=sys.stderr, disable=args.json)

@@ -1,5 +1,6 @@
 """The generate command end to end: it starts its own server, streams tokens, and stops the server."""
 
+import json
 import subprocess
 import sys
 
@@ -53,3 +54,14 @@ def test_generate_and_bench_say_when_no_server_answers(tmp_path):
         assert proc.returncode == 1, proc.stderr
         assert f"no kvengine server answers at ipc://{tmp_path}/nobody.sock" in proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_bench_with_more_prompts_than_a_clients_limit_gets_every_answer():
+    """bench keeps at most the server's default per-client limit in flight: 1,100 prompts, none refused."""
+    done = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "bench", "--num-prompts", "1100", "--input-len", "16", "--output-len", "2",
+         "--kv-cache-memory-bytes", "64MiB", "--json"],
+        capture_output=True, text=True, timeout=600, check=True,
+    )
+    summary = json.loads(done.stdout)
+    assert summary["requests"] == 1100 and summary["failed"] == 0, summary
