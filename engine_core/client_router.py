@@ -143,9 +143,13 @@ class ClientRouter:
         if head is None or head.tag != _REQUEST_TAG:
             self.warnings.warning(identity, "Dropped a malformed client message: %s", safe_for_log(error, MAX_ERROR_CHARS))
             return
-        self.warnings.warning(identity, "Rejected request %s: %s", safe_for_log(head.request_id),
-                              safe_for_log(error, MAX_ERROR_CHARS))
+        self.warn_rejected(identity, head.request_id, error)
         self.reply(identity, [EngineCoreOutput(head.request_id, [], "error", error=error[:MAX_ERROR_CHARS])])
+
+    def warn_rejected(self, identity: bytes, request_id: str, error: str) -> None:
+        """Log a refused request (within the client's warning limit)."""
+        self.warnings.warning(identity, "Rejected request %s: %s", safe_for_log(request_id),
+                              safe_for_log(error, MAX_ERROR_CHARS))
 
     def take_inbox(self) -> list[tuple[bytes, ClientMessage | None]]:
         inbox, self.inbox = self.inbox, []

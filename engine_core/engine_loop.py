@@ -10,7 +10,6 @@ from engine_core.client_router import ClientRouter
 from engine_core.core import EngineCore
 from engine_core.kv_event_publisher import KVEventPublisher
 from engine_core.metrics import EngineMetrics
-from engine_core.safe_log import safe_for_log
 from engine_core.stats_log import StatsLogger
 from protocol import EngineCoreAbort, EngineCoreGetStats, EngineCoreRequest, EngineCoreResetPrefixCache
 
@@ -65,8 +64,7 @@ class EngineLoop:
                         self.metrics.on_arrival(msg.request_id)
                     rejected = self.engine.add_request(msg)
                     if rejected is not None:
-                        self.router.warnings.warning(identity, "Rejected request %s: %s",
-                                                     safe_for_log(msg.request_id), rejected.error)
+                        self.router.warn_rejected(identity, msg.request_id, rejected.error or "")
             elif isinstance(msg, EngineCoreAbort):
                 self.engine.abort_requests([rid for rid in msg.request_ids if self.router.owns(identity, rid)])
             elif isinstance(msg, EngineCoreGetStats):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from protocol.sizes import cdiv
 from worker.attention import (
     DECODE_CHUNK_BYTES,
     AttentionMetadata,
@@ -84,7 +85,7 @@ class TorchAttention:
     def __init__(self, block_size: int, max_model_len: int, kv_heads: int, head_size: int, dtype, device) -> None:
         self.block_size = block_size
         self.kv_bytes_per_token = 2 * kv_heads * head_size * torch.finfo(dtype).bits // 8
-        max_tokens = max(-(-max_model_len // block_size) * block_size, DECODE_CHUNK_BYTES // self.kv_bytes_per_token)
+        max_tokens = max(cdiv(max_model_len, block_size) * block_size, DECODE_CHUNK_BYTES // self.kv_bytes_per_token)
         self.buffer = GatherBuffer(max_tokens, kv_heads, head_size, dtype, device)
 
     def metadata(self, table: torch.Tensor, window: int | None, reqs: StepRequests) -> AttentionMetadata:

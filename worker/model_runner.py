@@ -135,6 +135,9 @@ class ModelRunner:
             if nc + n == len(state.token_ids):
                 samplers.append(i)
         dev = self.device
+        num_tokens = len(ids)
+        padding = padded_num_tokens(num_tokens) - num_tokens if self.pad_tokens else 0
+        padded_positions = torch.tensor(positions + [0] * padding, device=dev)
         counts_t = torch.tensor(counts, device=dev)
         rows = torch.tensor([self.tables.rows[r] for r, _ in batch], device=dev)
         reqs = StepRequests(
@@ -142,18 +145,17 @@ class ModelRunner:
             num_computed=torch.tensor(computed, device=dev),
             num_scheduled=counts_t,
             query_start=torch.cumsum(counts_t, 0) - counts_t,
-            positions=torch.tensor(positions, device=dev),
+            positions=padded_positions[:num_tokens],
             token_rows=torch.repeat_interleave(rows, counts_t),
         )
         metas = [
             self.attention.metadata(t.table, w, reqs)
             for t, w in zip(self.tables.groups, self.windows, strict=True)
         ]
-        padding = padded_num_tokens(len(ids)) - len(ids) if self.pad_tokens else 0
         hidden = self.model.forward(
             torch.tensor(ids + [0] * padding, device=dev),
-            torch.tensor(positions + [0] * padding, device=dev),
-            len(ids),
+            padded_positions,
+            num_tokens,
             [self.kv_tensors[j] for _, j in self.layer_slots],
             [metas[g] for g, _ in self.layer_slots],
             self.attention,

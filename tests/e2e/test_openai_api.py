@@ -25,6 +25,16 @@ def api(start_server):
     return start_api_server(start_server, *SMALL)
 
 
+async def native_greedy(address: str, max_tokens: int) -> list[int]:
+    """PROMPT_IDS' greedy tokens through the native ZeroMQ client."""
+    tokens: list[int] = []
+    async with AsyncEngineClient(address) as client:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        async for out in client.generate(PROMPT_IDS, params):
+            tokens += out.new_token_ids
+    return tokens
+
+
 def stats(address: str):
     async def get():
         async with AsyncEngineClient(address) as client:
@@ -51,17 +61,10 @@ def test_openai_client_completions_and_chat_streamed_and_not(api):
 
 
 def test_greedy_tokens_over_http_equal_the_native_clients(api):
-    async def native() -> list[int]:
-        tokens: list[int] = []
-        async with AsyncEngineClient(api.server.address) as client:
-            async for out in client.generate(PROMPT_IDS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)):
-                tokens += out.new_token_ids
-        return tokens
-
     request = {"model": "tiny", "prompt": PROMPT_IDS, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
                "return_token_ids": True}
     status, body = api.request("POST", "/v1/completions", request)
-    tokens = asyncio.run(native())
+    tokens = asyncio.run(native_greedy(api.server.address, 12))
     assert status == 200 and body["usage"]["completion_tokens"] == 12
     assert body["choices"][0]["token_ids"] == tokens
     assert body["choices"][0]["text"] == load_text_model(None).decode(tokens)
@@ -246,14 +249,7 @@ def test_a_dead_engine_answers_503(start_server):
 def test_stop_token_ids_end_the_choice(api):
     body = {"model": "tiny", "prompt": PROMPT_IDS, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
-    async def native() -> list[int]:
-        tokens: list[int] = []
-        async with AsyncEngineClient(api.server.address) as client:
-            async for out in client.generate(PROMPT_IDS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)):
-                tokens += out.new_token_ids
-        return tokens
-
-    tokens = asyncio.run(native())
+    tokens = asyncio.run(native_greedy(api.server.address, 12))
     stop_at = tokens.index(tokens[4])  # the first place the fifth token appears
     status, answer = api.request("POST", "/v1/completions", {**body, "stop_token_ids": [tokens[4]]})
     assert status == 200 and answer["choices"][0]["finish_reason"] == "stop"

@@ -137,6 +137,11 @@ def test_sliding_window_reads_no_null_block():
 def test_new_keys_land_at_their_slots():
     b = make_batch([(20, 3), (0, 17)], 4, 2, 32, 16)
     run(b)
+    check_new_keys_landed(b)
+
+
+def check_new_keys_landed(b: Batch) -> None:
+    """After a run of make_batch([(20, 3), (0, 17)], 4, 2, 32, 16): each new K/V row is at its slot."""
     flat = b.cache.view(2, 2, -1, 32)
     for t, (r, p) in enumerate([(0, 20), (0, 21), (0, 22), *((1, p) for p in range(17))]):
         slot = int(b.table[r, p // 16]) * 16 + p % 16
