@@ -43,6 +43,8 @@ class ModelConfig(_Area, frozen=True):
         "CUDA (needs kvengine[cuda]; on CPU only with TRITON_INTERPRET=1); torch: gather + SDPA, any device, "
         "the reference; auto: cpu on CPU (torch if the kernel cannot be built), triton on CUDA (torch if triton "
         "is not installed)")] = "auto"
+    enforce_eager: Annotated[bool, setting(
+        "CUDA: run every step eagerly instead of replaying CUDA graphs captured for decode batch sizes")] = False
 
 
 class CacheConfig(_Area, frozen=True):
@@ -95,6 +97,23 @@ class ParallelConfig(_Area, frozen=True):
         "seconds to wait for the workers to answer one step before the engine names the rank that hangs, "
         "fails every request and exits (0: wait forever). The default, vLLM's execute-model timeout, is far "
         "above a healthy step on GPU or of the built-in model; a large model prefilled on CPU may need more")] = 300.0
+    nnodes: Annotated[PositiveInt, setting(
+        "hosts the tensor-parallel group spans; each runs tensor_parallel_size / nnodes workers")] = 1
+    node_rank: Annotated[Annotated[int, Meta(ge=0)], setting(
+        "this host's place among the nnodes hosts (0: the head, which runs the engine core)")] = 0
+    master_addr: Annotated[str, setting(
+        "the head host's address: other hosts' workers reach its engine core and torch.distributed's store there")
+    ] = "127.0.0.1"
+    master_port: Annotated[Annotated[int, Meta(ge=1, le=65535)], setting(
+        "the head's torch.distributed store port; the engine core's worker socket is the port after it")] = 29501
+    headless: Annotated[bool, setting(
+        "run only this host's workers, connected to the head's engine core (a host with node_rank >= 1)")] = False
+    data_parallel_size: Annotated[PositiveInt, setting(
+        "engine cores, each with its own tensor-parallel group, behind one router on --address", aliases=["-dp"])
+    ] = 1
+    router_policy: Annotated[Literal["prefix", "round-robin", "least-load"], setting(
+        "with data_parallel_size > 1: prefix sends a request to the engine holding the longest cached prefix of its "
+        "blocks (least load where they tie); round-robin; least-load (running + waiting)")] = "prefix"
 
 
 class ServerConfig(_Area, frozen=True):
@@ -147,6 +166,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         tp = self.parallel.tensor_parallel_size
         if budgets is not None and len(budgets) not in (1, tp):
             raise ValueError(f"kv_cache_memory_bytes takes one value or {tp} (one per rank), got {len(budgets)}")
+        parallel = self.parallel
+        if tp % parallel.nnodes:
+            raise ValueError(f"tensor_parallel_size {tp} does not split evenly over nnodes {parallel.nnodes}")
+        if parallel.node_rank >= parallel.nnodes:
+            raise ValueError(f"node_rank {parallel.node_rank} is outside nnodes {parallel.nnodes}")
+        if parallel.headless != (parallel.node_rank > 0):
+            raise ValueError("a host with node_rank >= 1 runs --headless (workers only); the head (node_rank 0) "
+                             "runs the engine core")
 
     def kv_cache_memory_bytes_of(self, rank: int) -> int | None:
         budgets = self.cache.kv_cache_memory_bytes
