@@ -42,7 +42,8 @@ def plan_kv_cache(config: EngineConfig, reports: list[WorkerKVReport]) -> tuple[
         )
     override = config.cache.num_gpu_blocks_override
     for r in reports:
-        logger.info("Rank %d can give the KV cache %s (%s)", r.rank, format_bytes(r.available_kv_bytes), r.memory_detail)
+        logger.info("Rank %d can give the KV cache %s (%s)%s", r.rank, format_bytes(r.available_kv_bytes),
+                    r.memory_detail, f" on host {r.host}" if r.host else "")
     kv_cache_config = get_kv_cache_config(
         specs,
         [r.available_kv_bytes for r in reports],

@@ -10,6 +10,12 @@ rank 0 has not answered within --step-timeout fails: a stopped rank (state T in 
 SIGSTOP, a debugger) is named as the one that hangs; when none is stopped, rank 0 is named, the rank
 that answers steps, though with tensor parallelism it may be waiting for another rank in a
 collective. Every worker is then killed with SIGKILL, the one signal a stopped process obeys.
+
+Several hosts (nnodes > 1): this executor spawns the head's ranks; every other host's ranks are
+spawned there by `kvengine serve --headless` (launch/headless.py) and connect over tcp. That host's
+process and this executor exchange heartbeats every HEARTBEAT_INTERVAL over the same ROUTER; a host
+unheard of for HEARTBEAT_TIMEOUT (dead or cut off), or one that reports a dead worker, fails the
+engine with its host and ranks named.
 """
 
 import contextlib
@@ -18,13 +24,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import msgspec
 import zmq
 
-from launch.worker_config import WorkerConfig
+from launch.worker_config import WorkerConfig, local_ranks
 from protocol import (
     InitKVCache,
     KVCacheConfig,
@@ -37,17 +44,32 @@ from protocol import (
     WorkerReady,
 )
 from protocol.codec import engine_to_worker_codec, worker_to_engine_codec
-from protocol.messages import EngineToWorker
+from protocol.messages import EngineHeartbeat, EngineToWorker, NodeHeartbeat
 
 logger = logging.getLogger(__name__)
 POLL_MS = 100
+HEARTBEAT_INTERVAL = 0.5  # seconds, each way between the head and a headless host
+HEARTBEAT_TIMEOUT = 3.0  # silence after which the other side counts as dead or cut off
 M = TypeVar("M", WorkerKVReport, WorkerReady, ModelRunnerOutput)
 
 
 class WorkerFailedError(RuntimeError):
-    def __init__(self, rank: int, message: str) -> None:
-        super().__init__(f"worker rank {rank} {message}")
+    def __init__(self, rank: int, message: str, host: str = "") -> None:
+        super().__init__(f"worker rank {rank}{f' on host {host}' if host else ''} {message}")
         self.rank = rank
+
+
+@dataclass
+class RemoteHost:
+    """A headless host, as the head sees it through its heartbeats."""
+
+    node_rank: int
+    ranks: range
+    host: str = ""  # its label, from its first heartbeat
+    last_seen: float | None = None  # monotonic time of its last heartbeat; None before the first
+
+    def label(self) -> str:
+        return self.host or f"node {self.node_rank}"
 
 
 class MultiprocExecutor:
@@ -57,18 +79,26 @@ class MultiprocExecutor:
         """check_stop: called every poll period while waiting (it may raise to give up);
         entry: the command that runs one worker; it gets the WorkerConfig as JSON."""
         self.check_stop = check_stop
-        self.step_timeout = configs[0].engine.parallel.step_timeout
+        parallel = configs[0].engine.parallel
+        self.step_timeout = parallel.step_timeout
+        self.world_size = parallel.tensor_parallel_size
+        self.host = configs[0].host
+        self.remote = {
+            f"node{k}".encode(): RemoteHost(k, local_ranks(msgspec.structs.replace(parallel, node_rank=k)))
+            for k in range(1, parallel.nnodes)
+        }
+        self.next_heartbeat = 0.0
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished rank raises
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(address)
-        self.identities = [f"rank{c.rank}".encode() for c in configs]
+        self.identities = [f"rank{rank}".encode() for rank in range(self.world_size)]
         self.rank_of = {identity: rank for rank, identity in enumerate(self.identities)}
         self.encoder, self.decoder = engine_to_worker_codec(), worker_to_engine_codec()
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.handlers: dict[zmq.Socket, Callable[[], None]] = {}
-        self.procs = [
+        self.procs = [  # the head's ranks 0 .. local-1: the index is the rank
             subprocess.Popen([*entry, msgspec.json.encode(c).decode()])
             for c in configs
         ]
@@ -79,15 +109,73 @@ class MultiprocExecutor:
         self.poller.register(sock, zmq.POLLIN)
 
     def check_health(self) -> None:
-        """Raise WorkerFailedError if a worker has exited."""
+        """Raise WorkerFailedError if a worker has exited or a host has gone silent."""
+        self._check_local()
+        while self.remote and self.sock.poll(0):  # idle: only heartbeats and errors are due
+            frames = self.sock.recv_multipart()
+            if frames[0] in self.remote:
+                self._from_host(frames)
+                continue
+            with contextlib.suppress(ProtocolError):
+                msg = self.decoder.decode(frames[-1])
+                if isinstance(msg, WorkerError) and frames[0] in self.rank_of:
+                    rank = self.rank_of[frames[0]]
+                    raise WorkerFailedError(rank, f"failed: {msg.message}", self.host_of(rank))
+            logger.error("Dropped a message from %r while no step runs", frames[0])
+        self._heartbeat()
+
+    def _check_local(self) -> None:
         for rank, proc in enumerate(self.procs):
             if proc.poll() is not None:
-                raise WorkerFailedError(rank, f"died (exit code {proc.returncode})")
+                raise WorkerFailedError(rank, f"died (exit code {proc.returncode})", self.host)
+
+    def host_of(self, rank: int) -> str:
+        if rank < len(self.procs):
+            return self.host
+        return next((h.label() for h in self.remote.values() if rank in h.ranks), "")
+
+    def _heartbeat(self) -> None:
+        """Send the heartbeat when due; raise WorkerFailedError for a host silent for HEARTBEAT_TIMEOUT."""
+        now = time.monotonic()
+        for identity, host in self.remote.items():
+            if host.last_seen is None:
+                continue
+            if now - host.last_seen > HEARTBEAT_TIMEOUT:
+                raise WorkerFailedError(host.ranks[0], f"is lost: its host sent no heartbeat for {HEARTBEAT_TIMEOUT:g} s "
+                                        f"(ranks {host.ranks[0]}-{host.ranks[-1]}; the host died or is cut off)",
+                                        host.label())
+            if now >= self.next_heartbeat:
+                with contextlib.suppress(zmq.ZMQError):  # a host that vanished: its silence names it
+                    self.sock.send_multipart([identity, self.encoder.encode(EngineHeartbeat())], zmq.NOBLOCK)
+        if now >= self.next_heartbeat:
+            self.next_heartbeat = now + HEARTBEAT_INTERVAL
+
+    def _from_host(self, frames: list[bytes]) -> None:
+        """A headless host's heartbeat, or its report of a dead worker (raised as WorkerFailedError)."""
+        host = self.remote[frames[0]]
+        try:
+            if len(frames) != 2:
+                raise ProtocolError(f"{len(frames)} frames")
+            msg = self.decoder.decode(frames[1])
+        except ProtocolError as e:
+            logger.error("Dropped a malformed message from %r: %s", frames[0], e)
+            return
+        if isinstance(msg, NodeHeartbeat):
+            if host.last_seen is None:
+                host.host = msg.host
+                logger.info("Host %s (node %d, ranks %d-%d) joined", msg.host, host.node_rank, host.ranks[0],
+                            host.ranks[-1])
+            host.last_seen = time.monotonic()
+        elif isinstance(msg, WorkerError):
+            raise WorkerFailedError(msg.rank, msg.message, host.label())
+        else:
+            logger.error("Dropped an unexpected %s from %r", type(msg).__name__, frames[0])
 
     def _recv(self, wanted: type[M], ranks: set[int], deadline: float | None = None) -> dict[int, M]:
         """Wait for one `wanted` message from each rank in ranks; TimeoutError once past deadline (monotonic)."""
         got: dict[int, M] = {}
         while len(got) < len(ranks):
+            self._heartbeat()
             poll_ms = POLL_MS if deadline is None else max(0, min(POLL_MS, int((deadline - time.monotonic()) * 1000)))
             events = dict(self.poller.poll(poll_ms))
             for sock, handler in self.handlers.items():
@@ -95,11 +183,14 @@ class MultiprocExecutor:
                     handler()
             if self.sock not in events:
                 self.check_stop()
-                self.check_health()
+                self._check_local()
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError()
                 continue
             frames = self.sock.recv_multipart()
+            if frames[0] in self.remote:
+                self._from_host(frames)
+                continue
             rank = self.rank_of.get(frames[0])
             try:
                 if rank is None or len(frames) != 2:
@@ -111,7 +202,7 @@ class MultiprocExecutor:
             if isinstance(msg, WorkerError):
                 time.sleep(0.2)  # a rank that died often makes its peers fail in a collective: name the dead one
                 self.check_health()
-                raise WorkerFailedError(rank, f"failed: {msg.message}")
+                raise WorkerFailedError(rank, f"failed: {msg.message}", self.host_of(rank))
             if isinstance(msg, wanted) and rank in ranks:
                 got[rank] = msg
             else:
@@ -124,15 +215,19 @@ class MultiprocExecutor:
             try:
                 self.sock.send_multipart([identity, payload])
             except zmq.ZMQError as e:
-                raise WorkerFailedError(self.rank_of[identity], f"is unreachable ({e})") from None
+                rank = self.rank_of[identity]
+                raise WorkerFailedError(rank, f"is unreachable ({e})", self.host_of(rank)) from None
 
     def determine_available_memory(self) -> list[WorkerKVReport]:
-        reports = self._recv(WorkerKVReport, set(range(len(self.procs))))
-        return [reports[rank] for rank in range(len(self.procs))]
+        if self.remote:
+            logger.info("Waiting for the workers of %d other host(s) on %s", len(self.remote),
+                        self.sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        reports = self._recv(WorkerKVReport, set(range(self.world_size)))
+        return [reports[rank] for rank in range(self.world_size)]
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self._send_all(InitKVCache(kv_cache_config))
-        ready = self._recv(WorkerReady, set(range(len(self.procs))))
+        ready = self._recv(WorkerReady, set(range(self.world_size)))
         assert all(r.num_blocks == kv_cache_config.num_blocks for r in ready.values())
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -155,20 +250,26 @@ class MultiprocExecutor:
         if stopped:
             why = " (its process is stopped)"
         else:
-            why = " (no rank is stopped; rank 0 may be waiting for another in a collective)" if len(self.procs) > 1 else ""
+            why = " (no rank is stopped; rank 0 may be waiting for another in a collective)" if self.world_size > 1 else ""
         self._kill_all()
-        return WorkerFailedError(rank, f"did not answer step {step} within {self.step_timeout:g} s{why}")
+        return WorkerFailedError(rank, f"did not answer step {step} within {self.step_timeout:g} s{why}", self.host)
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Ask every worker to exit; kill those still running after timeout (workers ignore SIGTERM)."""
+    def shutdown(self, timeout: float = 5.0, error: str = "") -> None:
+        """Ask every worker to exit; kill those still running after timeout (workers ignore SIGTERM).
+
+        error: why the engine stops after a failure; headless hosts are told, and exit non-zero. With other
+        hosts, local workers are then killed at once: a peer that is gone can leave them blocked in a collective."""
         with contextlib.suppress(WorkerFailedError):
             self._send_all(Shutdown())
-        deadline = time.monotonic() + timeout
+        for identity in self.remote:
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.send_multipart([identity, self.encoder.encode(Shutdown(error))], zmq.NOBLOCK)
+        deadline = time.monotonic() + (0.0 if error and self.remote else timeout)
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(max(0.0, deadline - time.monotonic()))
         self._kill_all()
-        self.sock.close()
+        self.sock.close(linger=1000 if self.remote else None)  # let Shutdown reach the other hosts
 
     def _kill_all(self) -> None:
         for proc in self.procs:

@@ -6,7 +6,7 @@ import re
 
 import msgspec
 
-from protocol.config import EngineConfig
+from protocol.config import EngineConfig, ParallelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -17,23 +17,32 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     dist_init_method: str
     torch_threads: int = 1
     cpu_cores: list[int] | None = None  # the worker pins itself to these cores; None: not pinned
-    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)  # the same for every rank
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)  # the same for every rank of a host
+    host: str = ""  # several hosts: this host's label (launch/hosts.py), reported with the KV budget
 
 
-def worker_configs(config: EngineConfig, engine_address: str, dist_init_method: str) -> list[WorkerConfig]:
-    """One config per rank; CPU workers get their cores from --cpu-threads-bind (ValueError if it is invalid)."""
-    tp = config.parallel.tensor_parallel_size
-    threads = [1] * tp
-    cores: list[list[int] | None] = [None] * tp
+def local_ranks(parallel: ParallelConfig) -> range:
+    """The ranks this host runs: node k of nnodes runs k*local .. (k+1)*local-1, local = tp / nnodes."""
+    local = parallel.tensor_parallel_size // parallel.nnodes
+    return range(parallel.node_rank * local, (parallel.node_rank + 1) * local)
+
+
+def worker_configs(config: EngineConfig, engine_address: str, dist_init_method: str,
+                   host: str = "") -> list[WorkerConfig]:
+    """One config per rank of this host; CPU workers get their cores from --cpu-threads-bind (ValueError if it
+    is invalid), which lists this host's ranks."""
+    ranks = local_ranks(config.parallel)
+    threads = [1] * len(ranks)
+    cores: list[list[int] | None] = [None] * len(ranks)
     if config.parallel.device == "cpu":
-        threads, cores = cpu_threads(config.parallel.cpu_threads_bind, tp, sorted(os.sched_getaffinity(0)))
-        for rank, (n, pinned) in enumerate(zip(threads, cores, strict=True)):
+        threads, cores = cpu_threads(config.parallel.cpu_threads_bind, len(ranks), sorted(os.sched_getaffinity(0)))
+        for rank, n, pinned in zip(ranks, threads, cores, strict=True):
             where = "not pinned" if pinned is None else f"on cores {format_cores(pinned)}"
             logger.info("rank %d: %d threads %s", rank, n, where)
     return [
         WorkerConfig(rank=rank, engine_address=engine_address, dist_init_method=dist_init_method,
-                     torch_threads=threads[rank], cpu_cores=cores[rank], engine=config)
-        for rank in range(tp)
+                     torch_threads=threads[i], cpu_cores=cores[i], engine=config, host=host)
+        for i, rank in enumerate(ranks)
     ]
 
 

@@ -1,8 +1,8 @@
 """Entry point of one worker process: `python -m launch.worker_main '<WorkerConfig as JSON>'`.
 
-The worker talks to the engine core over one DEALER socket: it reports its KV budget, allocates
-the cache when told the final block count, then executes every SchedulerOutput in order. Rank 0
-answers each step; any rank reports an error before it exits.
+The worker talks to the engine core over one DEALER socket (ipc://, or tcp:// to the head on several
+hosts): it reports its KV budget, allocates the cache when told the final block count, then executes
+every SchedulerOutput in order. Rank 0 answers each step; any rank reports an error before it exits.
 """
 
 import logging
@@ -14,6 +14,7 @@ import traceback
 import msgspec
 import zmq
 
+from launch.hosts import pin_collective_interface
 from launch.open_files import raise_open_file_limit
 from launch.worker_config import WorkerConfig
 from protocol import InitKVCache, ProtocolError, SchedulerOutput, Shutdown, WorkerError
@@ -42,13 +43,15 @@ def main() -> int:
     try:
         if config.cpu_cores is not None:
             os.sched_setaffinity(0, config.cpu_cores)  # before torch starts its threads: they inherit the mask
+        if config.engine.parallel.nnodes > 1:
+            pin_collective_interface(config.engine.parallel.master_addr)
         import torch
 
         torch.set_num_threads(config.torch_threads)
         from worker.worker import Worker
 
         worker = Worker(config.engine, config.rank, config.dist_init_method)
-        sock.send(to_engine.encode(worker.report_kv()))
+        sock.send(to_engine.encode(msgspec.structs.replace(worker.report_kv(), host=config.host)))
         while True:
             if not sock.poll(PARENT_CHECK_MS):
                 if os.getppid() != parent:

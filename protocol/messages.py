@@ -151,10 +151,14 @@ class InitKVCache(msgspec.Struct, tag=True, **_struct):
 
 
 class Shutdown(msgspec.Struct, tag=True, **_struct):
-    pass
+    error: str = ""  # to a headless host: why the head stops after a failure (the host then exits non-zero)
 
 
-EngineToWorker = SchedulerOutput | InitKVCache | Shutdown
+class EngineHeartbeat(msgspec.Struct, tag=True, **_struct):
+    """Several hosts: the engine core is alive (sent to each headless host's process, answering its NodeHeartbeat)."""
+
+
+EngineToWorker = SchedulerOutput | InitKVCache | Shutdown | EngineHeartbeat
 
 # ---- workers -> engine core -----------------------------------------------------------------
 
@@ -169,6 +173,7 @@ class WorkerKVReport(msgspec.Struct, tag=True, **_struct):
     max_position_embeddings: int
     vocab_size: int
     memory_detail: str = ""  # the terms of the budget, for the start-up log
+    host: str = ""  # several hosts: the rank's host, for the start-up log
 
 
 class WorkerReady(msgspec.Struct, tag=True, **_struct):
@@ -188,5 +193,12 @@ class WorkerError(msgspec.Struct, tag=True, **_struct):
     message: str
 
 
-WorkerToEngine = WorkerKVReport | WorkerReady | ModelRunnerOutput | WorkerError
+class NodeHeartbeat(msgspec.Struct, tag=True, **_struct):
+    """Several hosts: a headless host's process is alive, and so are its workers (it watches them)."""
+
+    node_rank: int
+    host: str
+
+
+WorkerToEngine = WorkerKVReport | WorkerReady | ModelRunnerOutput | WorkerError | NodeHeartbeat
 

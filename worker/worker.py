@@ -73,7 +73,8 @@ class Worker:
         self.config, self.rank = config, rank
         if config.parallel.device == "cuda":
             _check_cuda_build()
-        self.device = torch.device(f"cuda:{rank}" if config.parallel.device == "cuda" else config.parallel.device)
+        local_rank = rank % (tp_size // config.parallel.nnodes)  # the GPU index on this host
+        self.device = torch.device(f"cuda:{local_rank}" if config.parallel.device == "cuda" else config.parallel.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = _resolve_dtype(config.model.dtype, self.device)

@@ -26,6 +26,8 @@ from engine_core.kv_event_publisher import KVEventPublisher
 from engine_core.metrics import EngineMetrics
 from launch.api_server.launcher import ApiServers
 from launch.config_args import add_config_args, config_from_args
+from launch.headless import HeadlessHost
+from launch.hosts import host_label
 from launch.multiproc_executor import MultiprocExecutor, WorkerFailedError
 from launch.open_files import raise_open_file_limit
 from launch.worker_config import worker_configs
@@ -50,6 +52,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"kvengine serve: {e}")
         return 2
     logging.basicConfig(level=config.server.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.parallel.headless:
+        return HeadlessHost(config).run()
     return EngineServer(config).run()
 
 
@@ -90,6 +94,7 @@ class EngineServer:
         self.executor: MultiprocExecutor | None = None
         self.engine: EngineCore | None = None
         self.api_servers: ApiServers | None = None
+        self.failure = ""  # the first line of a WorkerFailedError, told to headless hosts at shutdown
 
     def _on_signal(self, signum: int, frame: object) -> None:
         logger.info("Received %s, shutting down", signal.Signals(signum).name)
@@ -114,7 +119,8 @@ class EngineServer:
             logger.info("Start-up interrupted")
             return 0
         except WorkerFailedError as e:
-            logger.error("%s", str(e).splitlines()[0])
+            self.failure = str(e).splitlines()[0]
+            logger.error("%s", self.failure)
             if self.router is not None:
                 self.router.fail_all(f"the engine stopped: {str(e).splitlines()[0]}")
             return 1
@@ -146,20 +152,30 @@ class EngineServer:
             logger.error("Start-up failed: cannot open the metrics or KV event endpoint: %s", e)
             return None
         try:
-            configs = worker_configs(self.config, f"ipc://{self.tmpdir}/workers.sock", f"file://{self.tmpdir}/dist-init")
+            configs = worker_configs(self.config, *self._worker_links())
             self.executor = MultiprocExecutor(self.ctx, configs[0].engine_address, configs, self._check_stop)
             self.engine = EngineCore(self.config, self.executor)
-        except (KVCacheSizingError, ValueError) as e:
+        except (KVCacheSizingError, ValueError, OSError, zmq.ZMQError) as e:
             logger.error("Start-up failed: %s", e)
             return None
         gc.freeze()  # the block pool's objects live as long as the server: keep them out of GC passes
         for sock in self.router.sockets:
             self.executor.serve_while_waiting(sock, self.router.read)
-        logger.info("kvengine ready: serving on %s (tensor parallel %d)", address, len(configs))
+        logger.info("kvengine ready: serving on %s (tensor parallel %d)", address,
+                    self.config.parallel.tensor_parallel_size)
         if self.api_servers is not None:
             assert self.metrics is not None and self.metrics.server is not None
             self.api_servers.spawn(address, self.engine.max_model_len, self.metrics.server.port)
         return EngineLoop(self.engine, self.router, self.config.server.stats_interval, self.metrics, self.kv_events)
+
+    def _worker_links(self) -> tuple[str, str, str]:
+        """(worker socket, torch.distributed init method, host label): private files on one host; on several,
+        tcp on master_addr (the store on master_port, the worker socket on the port after it)."""
+        parallel = self.config.parallel
+        if parallel.nnodes == 1:
+            return f"ipc://{self.tmpdir}/workers.sock", f"file://{self.tmpdir}/dist-init", ""
+        address, port = parallel.master_addr, parallel.master_port
+        return f"tcp://{address}:{port + 1}", f"tcp://{address}:{port}", host_label(address)
 
     def _check_stop(self) -> None:
         """Called while waiting for the workers: a signal during start-up must not wait for them."""
@@ -189,7 +205,7 @@ class EngineServer:
         if self.kv_events is not None:
             self.kv_events.close()
         if self.executor is not None:
-            self.executor.shutdown()
+            self.executor.shutdown(error=self.failure)
         if self.router is not None:
             self.router.close()
             if self.router.address.startswith("ipc://"):

@@ -3,8 +3,9 @@
 Sockets and their codecs:
   client -> engine core     client_codec            EngineCoreRequest | EngineCoreAbort
   engine core -> client     outputs_codec           EngineCoreOutputs
-  engine core -> workers    engine_to_worker_codec  SchedulerOutput | InitKVCache | Shutdown
+  engine core -> workers    engine_to_worker_codec  SchedulerOutput | InitKVCache | Shutdown | EngineHeartbeat
   workers -> engine core    worker_to_engine_codec  WorkerKVReport | WorkerReady | ModelRunnerOutput | WorkerError
+                                                    | NodeHeartbeat
   KV events PUB             kv_events_codec         KVEventBatch
 """
 
@@ -48,6 +49,7 @@ from protocol.codec import (
     outputs_codec,
     worker_to_engine_codec,
 )
+from protocol.messages import EngineHeartbeat, NodeHeartbeat
 
 CODECS = {
     "client": client_codec(),
@@ -61,8 +63,8 @@ CODECS = {
 EXPECTED_NAMES = {
     "client": ["EngineCoreRequest", "EngineCoreAbort", "EngineCoreGetStats"],
     "outputs": ["EngineCoreOutputs"],
-    "engine_to_worker": ["SchedulerOutput", "InitKVCache", "Shutdown"],
-    "worker_to_engine": ["WorkerKVReport", "WorkerReady", "ModelRunnerOutput", "WorkerError"],
+    "engine_to_worker": ["SchedulerOutput", "InitKVCache", "Shutdown", "EngineHeartbeat"],
+    "worker_to_engine": ["WorkerKVReport", "WorkerReady", "ModelRunnerOutput", "WorkerError", "NodeHeartbeat"],
     "kv_events": ["KVEventBatch"],
 }
 
@@ -161,6 +163,8 @@ SAMPLES = [
     ),
     ("engine_to_worker", "init-kv-cache-no-groups", InitKVCache(KVCacheConfig(0, []))),
     ("engine_to_worker", "shutdown", Shutdown()),
+    ("engine_to_worker", "shutdown-after-a-failure", Shutdown(error="worker rank 3 on host b (10.0.0.2) died")),
+    ("engine_to_worker", "engine-heartbeat", EngineHeartbeat()),
     # ---- workers -> engine core
     (
         "worker_to_engine",
@@ -179,6 +183,9 @@ SAMPLES = [
     ("worker_to_engine", "runner-output", ModelRunnerOutput(7, ["a", "prefill-chunk", "b"], [[42], [], [1, 2]])),
     ("worker_to_engine", "runner-output-empty", ModelRunnerOutput(0, [], [])),
     ("worker_to_engine", "worker-error", WorkerError(rank=0, message="CUDA out of memory")),
+    ("worker_to_engine", "node-heartbeat", NodeHeartbeat(node_rank=1, host="b (10.0.0.2)")),
+    ("worker_to_engine", "kv-report-with-host", kv_report(rank=2, available_kv_bytes=1 << 20, kv_cache_specs={},
+                                                          eos_token_ids=[2], max_position_embeddings=64, host="b")),
     # ---- KV events
     (
         "kv_events",
