@@ -1,6 +1,5 @@
 """One worker rank: loads its model shard, sizes the KV cache, executes SchedulerOutputs."""
 
-import functools
 import logging
 
 import torch
@@ -27,7 +26,7 @@ from worker.attention_backends import resolve_backend
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_model
 from worker.model_runner import ModelRunner
-from worker.ops.cpu_attention import load_extension
+from worker.ops.cpu_attention import cpu_has_bf16, load_extension
 from worker.parallel import TPGroup
 
 log = logging.getLogger(__name__)
@@ -43,17 +42,6 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
-
-
-@functools.cache
-def cpu_has_bf16() -> bool:
-    """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo's flags (False where there is no such file)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next(line for line in cpuinfo if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _check_cuda_build() -> None:

@@ -4,6 +4,9 @@
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include <cstdint>
 #include <cstring>
@@ -55,17 +58,38 @@ inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
+// bf16 dot products in fp32 (AVX512-BF16's vdpbf16ps): each bf16 x bf16 product is exact in fp32, so
+// these equal converting to fp32 first, up to the order of the fp32 additions.
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dot = true;
+// Lane l of the result: acc[l] + a[2l] * b[2l] + a[2l+1] * b[2l+1], over 32 bf16 values each.
+inline vfloat dot_bf16(vfloat acc, const void* a, const void* b) {
+  return reinterpret_cast<vfloat>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc),
+                                                   (__m512bh)_mm512_loadu_si512(a), (__m512bh)_mm512_loadu_si512(b)));
+}
+// The same with b one bf16 pair (its 32 bits) broadcast to every lane.
+inline vfloat dot_bf16_pair(vfloat acc, const void* a, uint32_t b_pair) {
+  return reinterpret_cast<vfloat>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), (__m512bh)_mm512_loadu_si512(a),
+                                                   (__m512bh)_mm512_set1_epi32(static_cast<int>(b_pair))));
+}
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+// kLanes bf16 values as fp32.
+inline vfloat load_bf16(const c10::BFloat16* p) {
+  typedef uint16_t vbits __attribute__((vector_size(kVecBytes / 2)));
+  vbits b;
+  std::memcpy(&b, p, sizeof(b));
+  return reinterpret_cast<vfloat>(__builtin_convertvector(b, vint) << 16);
+}
+
 // n values as fp32; bf16 a vector at a time (its bits are the high half of an fp32).
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
   int64_t i = 0;
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    typedef uint16_t vbits __attribute__((vector_size(kVecBytes / 2)));
-    for (; i + kLanes <= n; i += kLanes) {
-      vbits b;
-      std::memcpy(&b, src + i, sizeof(b));
-      store(dst + i, reinterpret_cast<vfloat>(__builtin_convertvector(b, vint) << 16));
-    }
+    for (; i + kLanes <= n; i += kLanes) store(dst + i, load_bf16(src + i));
   }
   for (; i < n; ++i) dst[i] = to_float(src[i]);
 }

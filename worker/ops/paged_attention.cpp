@@ -120,7 +120,8 @@ class ItemRunner {
         prefetch_blocks_(std::clamp<int64_t>(kPrefetchBytes / (s.block_size * s.head_size * sizeof(T)), 1, 8)),
         queries_(static_cast<size_t>(d_) * kLanes),
         scores_(static_cast<size_t>(key_stride_) * kLanes), acc_(static_cast<size_t>(kLanes) * d_),
-        kf_(std::is_same_v<T, float> ? 0 : static_cast<size_t>(s.block_size) * d_), vf_(kf_.size()) {}
+        kf_(std::is_same_v<T, float> ? 0 : static_cast<size_t>(s.block_size) * d_), vf_(kf_.size()),
+        dot_(kDotT && d_ % 32 == 0), qbits_(dot_ ? static_cast<size_t>(d_) * kLanes : 0) {}
 
   void run(const Item& it, const Request& rq) {
     const int64_t BS = s_.block_size;
@@ -160,14 +161,23 @@ class ItemRunner {
         prefetch(k_head + rq.blocks[b + prefetch_blocks_] * BS * D, BS * D);
         prefetch(v_head + rq.blocks[b + prefetch_blocks_] * BS * D, BS * D);
       }
-      const float* k = as_float(k_head + block * BS * D, j0, j1, kf_);
-      const float* v = as_float(v_head + block * BS * D, j0, j1, vf_);
+      const T* k = k_head + block * BS * D;
+      const T* v = v_head + block * BS * D;
       if (wide_) {
-        score_wide(k, static_cast<int32_t>(base), j0, j1);
-        accumulate(v, j0, j1, 1, kLanes);
+        if (dot_) {
+          score_wide_dot(k, static_cast<int32_t>(base), j0, j1);
+        } else {
+          score_wide(as_float(k, j0, j1, kf_), static_cast<int32_t>(base), j0, j1);
+        }
+        accumulate(as_float(v, j0, j1, vf_), j0, j1, 1, kLanes);
+      } else if (dot_) {  // decodes: a few rows share each key, so V is converted as it is read
+        if constexpr (kDotT) {
+          score_narrow(nullptr, k, static_cast<int32_t>(base), j0, j1);
+          accumulate(v, j0, j1, key_stride_, 1);
+        }
       } else {
-        score_narrow(k, static_cast<int32_t>(base), j0, j1);
-        accumulate(v, j0, j1, key_stride_, 1);
+        score_narrow(as_float(k, j0, j1, kf_), nullptr, static_cast<int32_t>(base), j0, j1);
+        accumulate(as_float(v, j0, j1, vf_), j0, j1, key_stride_, 1);
       }
     }
     store_out(it, rq);
@@ -175,6 +185,9 @@ class ItemRunner {
 
  private:
   static constexpr int64_t kPrefetchBytes = 4096;  // of K (and as much of V) ahead of the block in use
+  // bf16 on CPUs with AVX512-BF16: scores by bf16 dot products read straight from the cache, queries kept
+  // unscaled in bf16 (exact) and the scale applied to the fp32 scores.
+  static constexpr bool kDotT = std::is_same_v<T, c10::BFloat16> && kBf16Dot;
 
   int d() const { return kD > 0 ? kD : d_; }
 
@@ -184,18 +197,30 @@ class ItemRunner {
     for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(U)); i += 64) __builtin_prefetch(c + i, 0, 2);
   }
 
-  // Scaled queries: wide items as [D][kLanes] (padding rows zero), narrow ones as [rows][D].
+  // Scaled queries: wide items as [D][kLanes] (padding rows zero), narrow ones as [rows][D]. With dot_,
+  // the unscaled bf16 bits instead: wide items as [D / 2][kLanes][2] (pairs of a row), narrow ones as [rows][D].
   void load_queries(const Item& it, const Request& rq) {
     const int D = d();
     if (wide_) std::fill(queries_.begin(), queries_.end(), 0.0f);
+    if (wide_ && dot_) std::fill(qbits_.begin(), qbits_.end(), uint16_t{0});
     for (int m = 0; m < rows_; ++m) {
       const int64_t token = rq.q_start + it.token0 + m / it.num_heads;
       const int64_t head = it.kv_head * s_.group + it.head0 + m % it.num_heads;
       const T* src = q_ + token * s_.q_token_stride + head * s_.q_head_stride;
       for (int i = 0; i < D; ++i) {
-        queries_[wide_ ? i * kLanes + m : m * D + i] = to_float(src[i]) * s_.scale;
+        if (dot_) {
+          qbits_[wide_ ? ((i / 2) * kLanes + m) * 2 + i % 2 : m * D + i] = bits(src[i]);
+        } else {
+          queries_[wide_ ? i * kLanes + m : m * D + i] = to_float(src[i]) * s_.scale;
+        }
       }
     }
+  }
+
+  static uint16_t bits(const T& x) {
+    uint16_t b;
+    std::memcpy(&b, &x, sizeof(b));
+    return b;
   }
 
   // Keys [j0, j1) of a block as fp32: the cache itself for fp32, else converted into scratch.
@@ -236,6 +261,50 @@ class ItemRunner {
       for (int i = 0; i < D; ++i) s += load(queries_.data() + i * kLanes) * kj[i];
       block_max = vmax(block_max, mask_and_store(s, base, j, lo, hi));
     }
+    softmax_step_wide(block_max, j0, j1);
+  }
+
+  // score_wide from bf16 keys: per pair of key elements, one vdpbf16ps for every row.
+  void score_wide_dot(const T* k, int32_t base, int j0, int j1) {
+    if constexpr (kDotT) {
+      const int D = d();
+      const vint lo = load_int(lo_), hi = load_int(hi_);
+      const vfloat scale = splat(s_.scale);
+      vfloat block_max = splat(kMasked);
+      int j = j0;
+      for (; j + 4 <= j1; j += 4) {
+        const T* kj = k + static_cast<int64_t>(j) * D;
+        vfloat s0{}, s1{}, s2{}, s3{};
+        for (int i = 0; i < D; i += 2) {
+          const uint16_t* qi = qbits_.data() + i * kLanes;
+          s0 = dot_bf16_pair(s0, qi, pair(kj + i));
+          s1 = dot_bf16_pair(s1, qi, pair(kj + D + i));
+          s2 = dot_bf16_pair(s2, qi, pair(kj + 2 * D + i));
+          s3 = dot_bf16_pair(s3, qi, pair(kj + 3 * D + i));
+        }
+        block_max = vmax(block_max, mask_and_store(s0 * scale, base, j, lo, hi));
+        block_max = vmax(block_max, mask_and_store(s1 * scale, base, j + 1, lo, hi));
+        block_max = vmax(block_max, mask_and_store(s2 * scale, base, j + 2, lo, hi));
+        block_max = vmax(block_max, mask_and_store(s3 * scale, base, j + 3, lo, hi));
+      }
+      for (; j < j1; ++j) {
+        const T* kj = k + static_cast<int64_t>(j) * D;
+        vfloat s{};
+        for (int i = 0; i < D; i += 2) s = dot_bf16_pair(s, qbits_.data() + i * kLanes, pair(kj + i));
+        block_max = vmax(block_max, mask_and_store(s * scale, base, j, lo, hi));
+      }
+      softmax_step_wide(block_max, j0, j1);
+    }
+  }
+
+  static uint32_t pair(const T* p) {  // two adjacent bf16 values as one 32-bit lane
+    uint32_t b;
+    std::memcpy(&b, p, sizeof(b));
+    return b;
+  }
+
+  // The online-softmax step of every row over the block's scores, for wide items.
+  void softmax_step_wide(vfloat block_max, int j0, int j1) {
     const vfloat old_max = load(max_), new_max = vmax(old_max, block_max);
     const vfloat alpha = exp_nonpos(old_max - new_max);
     vfloat sum = load(sum_) * alpha;
@@ -258,7 +327,8 @@ class ItemRunner {
   }
 
   // scores_[row * key_stride_ + j]: per row, kLanes keys at a time; then that row's softmax step.
-  void score_narrow(const float* k, int32_t base, int j0, int j1) {
+  // Keys as fp32 (k), or with dot_ the block's bf16 keys (kb).
+  void score_narrow(const float* k, const T* kb, int32_t base, int j0, int j1) {
     const int D = d();
     for (int m = 0; m < rows_; ++m) {
       const float* q = queries_.data() + m * D;
@@ -267,9 +337,16 @@ class ItemRunner {
       for (int jc = j0; jc < j1; jc += kLanes) {
         vfloat part[kLanes];
         for (int i = 0; i < kLanes; ++i) {
-          part[i] = jc + i < j1 ? partial_dot(q, k + static_cast<int64_t>(jc + i) * D) : vfloat{};
+          if (jc + i >= j1) {
+            part[i] = vfloat{};
+          } else if (dot_) {
+            part[i] = partial_dot_bf16(qbits_.data() + m * D, kb + static_cast<int64_t>(jc + i) * D);
+          } else {
+            part[i] = partial_dot(q, k + static_cast<int64_t>(jc + i) * D);
+          }
         }
         vfloat x = sum_lanes(part);
+        if (dot_) x *= s_.scale;
         const vint pos = splat_int(base + jc) + iota();
         x = (pos >= lo_[m]) & (pos <= hi_[m]) & (pos < base + j1) ? x : splat(kMasked);
         block_max = vmax(block_max, x);
@@ -289,6 +366,15 @@ class ItemRunner {
     }
   }
 
+  // partial_dot of unscaled bf16 q and bf16 k (D a multiple of 32).
+  vfloat partial_dot_bf16(const uint16_t* q, const T* k) const {
+    vfloat acc{};
+    if constexpr (kDotT) {
+      for (int i = 0; i < d(); i += 32) acc = dot_bf16(acc, q + i, k + i);
+    }
+    return acc;
+  }
+
   // Lane-wise products of q and k summed over D's vector chunks (a tail, if any, into lane 0).
   vfloat partial_dot(const float* q, const float* k) const {
     const int D = d();
@@ -299,9 +385,15 @@ class ItemRunner {
     return acc;
   }
 
+  static vfloat load_row(const float* p) { return load(p); }
+  static vfloat load_row(const c10::BFloat16* p) { return load_bf16(p); }
+  static vfloat load_row(const c10::Half* p) = delete;
+
   // acc[row] = alpha[row] * acc[row] + sum_j p(row, j) V[j], with p(row, j) at
   // scores_[row * row_stride + j * key_stride] (wide items: 1, kLanes; narrow ones: key_stride_, 1).
-  void accumulate(const float* v, int j0, int j1, int row_stride, int key_stride) {
+  // V as fp32, or as bf16 converted while it is read (then D is a multiple of kLanes).
+  template <typename V>
+  void accumulate(const V* v, int j0, int j1, int row_stride, int key_stride) {
     const int D = d();
     for (int m = 0; m < rows_; ++m) {
       float* acc = acc_.data() + static_cast<int64_t>(m) * D;
@@ -312,10 +404,17 @@ class ItemRunner {
         for (int c = 0; c < kD / kLanes; ++c) r[c] = load(acc + c * kLanes) * a;
         for (int j = j0; j < j1; ++j) {
           const vfloat pj = splat(p[j * key_stride]);
-          const float* vj = v + static_cast<int64_t>(j) * kD;
-          for (int c = 0; c < kD / kLanes; ++c) r[c] += pj * load(vj + c * kLanes);
+          const V* vj = v + static_cast<int64_t>(j) * kD;
+          for (int c = 0; c < kD / kLanes; ++c) r[c] += pj * load_row(vj + c * kLanes);
         }
         for (int c = 0; c < kD / kLanes; ++c) store(acc + c * kLanes, r[c]);
+      } else if constexpr (!std::is_same_v<V, float>) {
+        for (int i = 0; i < D; ++i) acc[i] *= a;
+        for (int j = j0; j < j1; ++j) {
+          const vfloat pj = splat(p[j * key_stride]);
+          const V* vj = v + static_cast<int64_t>(j) * D;
+          for (int c = 0; c < D; c += kLanes) store(acc + c, load(acc + c) + pj * load_row(vj + c));
+        }
       } else {
         for (int i = 0; i < D; ++i) acc[i] *= a;
         for (int j = j0; j < j1; ++j) axpy<kD>(acc, p[j * key_stride], v + static_cast<int64_t>(j) * D, D);
@@ -349,6 +448,8 @@ class ItemRunner {
   const int key_stride_;  // narrow scores: a row's keys, padded to whole vectors
   const int64_t prefetch_blocks_;
   std::vector<float> queries_, scores_, acc_, kf_, vf_;
+  const bool dot_;
+  std::vector<uint16_t> qbits_;
   int rows_ = 0;
   bool wide_ = false;
   int32_t lo_[kLanes], hi_[kLanes];  // per row: first and last visible key position
