@@ -94,6 +94,8 @@ class SchedulerStats(msgspec.Struct, **_struct):
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     step: int = 0
+    # --data-parallel-size > 1: the router answers the sum over the engine cores, and each one's here, by index
+    engines: "list[SchedulerStats] | None" = None
 
 
 class EngineCoreOutputs(msgspec.Struct, **_struct):

@@ -52,6 +52,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"kvengine serve: {e}")
         return 2
     logging.basicConfig(level=config.server.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.parallel.data_parallel_size > 1:
+        from launch.data_parallel import DataParallelServer, check_data_parallel  # it imports this module
+
+        refused = check_data_parallel(config)
+        if refused is not None:
+            print(f"kvengine serve: {refused}")
+            return 2
+        return DataParallelServer(config).run()
     if config.parallel.headless:
         return HeadlessHost(config).run()
     return EngineServer(config).run()

@@ -1,0 +1,484 @@
+"""`kvengine serve --data-parallel-size N`: N engine cores behind one router on the client address.
+
+Each engine core is a `kvengine serve` subprocess with its own tensor-parallel group, on a private
+ipc:// address, publishing KV events on a private endpoint (with a replay socket), no HTTP API, and
+its own share of the CPU cores. This process owns the client address: a ClientRouter (the engine
+core's own client socket, so admission limits, slow clients and disconnects behave as with one
+engine) in front of one DEALER per engine. engine_core/routing.py picks the engine of each request
+from the engines' KV events and loads; outputs go back to their clients, get_stats answers the sum
+with each engine's stats, reset_prefix_cache goes to every engine, and the requests of an engine
+that dies end with `error` while the others keep serving. The HTTP API, when asked for, runs here
+as clients of the router; its /metrics and --metrics-port show every engine's metrics with an
+`engine` label.
+"""
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import msgspec
+import zmq
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine_core.client_router import ClientRouter
+from engine_core.metrics import MetricsServer
+from engine_core.routing import Router
+from launch.api_server.launcher import ApiServers
+from launch.config_args import config_to_flags
+from launch.kv_event_subscriber import KVEventSubscriber
+from launch.local_server import die_with_parent
+from launch.simulate.replay import with_settings
+from launch.worker_config import auto_binding, format_cores
+from protocol import (
+    EngineCoreAbort,
+    EngineCoreGetStats,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineCoreResetPrefixCache,
+    ProtocolError,
+    SchedulerStats,
+)
+from protocol.codec import client_codec, outputs_codec
+from protocol.config import EngineConfig
+
+logger = logging.getLogger("kvengine.serve")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+POLL_MS = 100
+BACKLOG_RETRY_MS = 10
+HEALTH_PERIOD = 0.1  # seconds between checks that every engine process lives
+ENGINE_STOP_TIMEOUT = 60.0  # seconds an engine core has to exit after SIGTERM before it is killed
+METRICS_FETCH_TIMEOUT = 5.0
+
+
+def check_data_parallel(config: EngineConfig) -> str | None:
+    """Why these settings cannot run data parallel, or None."""
+    parallel = config.parallel
+    if parallel.nnodes > 1 or parallel.headless:
+        return "--data-parallel-size > 1 runs every engine core on this host: multi-host tensor parallelism " \
+               "(--nnodes > 1, --headless) cannot be combined with it"
+    if config.server.kv_events_endpoint is not None:
+        return "--kv-events-endpoint cannot be combined with --data-parallel-size > 1: each engine core's KV " \
+               "events go to the router on a private endpoint"
+    return None
+
+
+def engine_cpu_binds(config: EngineConfig, usable: list[int]) -> list[str]:
+    """Each engine's --cpu-threads-bind. auto: the cores are split among the engines (one each, shared round
+    the engines when there are fewer cores than engines), and each engine binds its ranks in its own share as
+    one engine would in all of them; anything else applies to every engine as given."""
+    n, tp = config.parallel.data_parallel_size, config.parallel.tensor_parallel_size
+    bind = config.parallel.cpu_threads_bind
+    if bind != "auto" or config.parallel.device != "cpu":
+        return [bind] * n
+    share = len(usable) // n
+    shares = [usable[i * share:(i + 1) * share] for i in range(n)] if share else [[usable[i % len(usable)]]
+                                                                                   for i in range(n)]
+    return ["|".join(format_cores(c) for c in auto_binding(cores, tp)) for cores in shares]
+
+
+def resolved_max_model_len(config: EngineConfig) -> int:
+    """The max_model_len the engines resolve (what the HTTP API checks prompts against)."""
+    if config.model.max_model_len is not None:
+        return config.model.max_model_len
+    model = config.model.model
+    if model is None:
+        from worker.model.tiny import tiny_config
+
+        return int(tiny_config()["max_position_embeddings"])
+    if model.endswith(".gguf"):
+        from worker.model.gguf_loader import gguf_config
+        from worker.model.gguf_meta import open_gguf
+
+        return int(gguf_config(open_gguf(model)).get("max_position_embeddings", 2048))
+    from worker.model.weights import read_config
+
+    return int(read_config(model).get("max_position_embeddings", 2048))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EngineProcess:
+    """One engine core: its `kvengine serve` subprocess, the DEALER to it and the KV event subscriber."""
+
+    def __init__(self, index: int, config: EngineConfig, tmpdir: str, ctx: zmq.Context) -> None:
+        self.index = index
+        self.address = f"ipc://{tmpdir}/engine-{index}.sock"
+        self.metrics_port = free_port() if config.server.metrics_port is not None or config.server.api_server_count \
+            else None
+        flags = config_to_flags(config) + ["--address", self.address, "--api-server-count", "0",
+                                           "--kv-events-endpoint", f"ipc://{tmpdir}/kv-events-{index}.sock",
+                                           "--kv-events-replay-endpoint", f"ipc://{tmpdir}/kv-replay-{index}.sock"]
+        if self.metrics_port is not None:
+            flags += ["--metrics-port", str(self.metrics_port), "--host", "127.0.0.1"]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "launch.cli", "serve", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent(),  # noqa: PLW1509 (it only calls prctl and getppid)
+        )
+        assert self.proc.stdout is not None
+        self.log_thread = threading.Thread(target=_relay_log, args=(self.proc.stdout, f"[engine {index}] "),
+                                           daemon=True, name=f"engine-{index}-log")
+        self.log_thread.start()
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)  # the router's loop never blocks on an engine
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.connect(self.address)
+        self.events = KVEventSubscriber(ctx, f"ipc://{tmpdir}/kv-events-{index}.sock",
+                                        f"ipc://{tmpdir}/kv-replay-{index}.sock")
+        self.ready = False
+        self.alive = True
+
+    def stop(self) -> None:
+        """SIGTERM (the engine stops its workers), then SIGKILL if it does not exit in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(ENGINE_STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                logger.error("Engine core %d did not stop within %.0f s; killing it", self.index, ENGINE_STOP_TIMEOUT)
+                self.proc.kill()
+                self.proc.wait()
+        self.log_thread.join(5)
+
+    def close_sockets(self) -> None:
+        self.sock.close()
+        self.events.close()
+
+
+def _relay_log(pipe: IO[bytes], prefix: str) -> None:
+    """An engine's log lines on this process's stderr, each with the engine's label."""
+    with pipe:
+        for line in pipe:
+            sys.stderr.write(prefix + line.decode(errors="replace"))
+            sys.stderr.flush()
+
+
+@dataclass
+class Gather:
+    """A client's get_stats or reset_prefix_cache, waiting for every live engine's answer."""
+
+    identity: bytes
+    kind: str  # "stats" or "reset"
+    waiting: set[int]
+    answers: dict[int, object] = field(default_factory=dict)
+
+
+def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
+    """Counters and gauges summed over the engines; KV usage averaged (every engine has the same pool)."""
+    if not stats:
+        return SchedulerStats()
+    fields = {name: sum(getattr(s, name) for s in stats) for name in SchedulerStats.__struct_fields__
+              if name != "engines"}
+    fields["kv_cache_usage"] = fields["kv_cache_usage"] / len(stats)
+    return SchedulerStats(**fields)
+
+
+class DataParallelServer:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.n = config.parallel.data_parallel_size
+        self.stopping = False
+        self.engines: list[EngineProcess] = []
+        self.client: ClientRouter | None = None
+        self.api_servers: ApiServers | None = None
+        self.metrics_server: MetricsServer | None = None
+        cache = config.cache
+        self.router = Router(self.n, config.parallel.router_policy, cache.block_size, cache.prefix_caching_hash_algo)
+        self.engine_of: dict[str, int] = {}  # request id -> engine, while in flight
+        self.gathers: list[deque[Gather]] = [deque() for _ in range(self.n)]
+        self.client_codec, self.outputs_codec = client_codec(), outputs_codec()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        logger.info("Received %s, shutting down", signal.Signals(signum).name)
+        self.stopping = True
+
+    def run(self) -> int:
+        """Serve until a stop signal (0), a failed start-up or every engine core gone (1)."""
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._on_signal)
+        self.tmpdir = tempfile.mkdtemp(prefix="kvengine-dp-")
+        self.ctx = zmq.Context()
+        try:
+            if not self._start() or not self._wait_ready():
+                return 0 if self.stopping else 1
+            self._serve()
+            return 0 if self.stopping else 1
+        finally:
+            self._close()
+
+    def _start(self) -> bool:
+        from launch.commands.serve import ipc_path_taken  # serve dispatches here: import it late, not in a cycle
+
+        server = self.config.server
+        address = server.client_address() or f"ipc://{self.tmpdir}/engine.sock"
+        taken = ipc_path_taken(address)
+        if taken is not None:
+            logger.error("Start-up failed: %s", taken)
+            return False
+        try:
+            self.client = ClientRouter(self.ctx, address, server.max_pending_requests, server.max_client_requests)
+        except zmq.ZMQError as e:
+            logger.error("Start-up failed: cannot listen on %s: %s", address, e)
+            return False
+        if server.api_server_count:
+            try:
+                self.api_servers = ApiServers(self.config)
+            except OSError as e:
+                logger.error("Start-up failed: cannot listen on http://%s:%d: %s", server.host, server.port, e)
+                return False
+        binds = engine_cpu_binds(self.config, sorted(os.sched_getaffinity(0)))
+        for i in range(self.n):
+            # The router enforces the per-client limit; each engine sees one client, the router.
+            engine_config = with_settings(self.config, data_parallel_size=1, cpu_threads_bind=binds[i], address=None,
+                                          max_client_requests=server.max_pending_requests, metrics_port=None)
+            self.engines.append(EngineProcess(i, engine_config, self.tmpdir, self.ctx))
+        logger.info("Started %d engine cores (cpu threads bind: %s)", self.n, ", ".join(binds))
+        return True
+
+    def _wait_ready(self) -> bool:
+        """Until every engine answers a stats request; False if one exits first or a stop signal arrives."""
+        for engine in self.engines:
+            engine.sock.send(self.client_codec.encode(EngineCoreGetStats()))
+        poller = zmq.Poller()
+        for engine in self.engines:
+            poller.register(engine.sock, zmq.POLLIN)
+        while not all(e.ready for e in self.engines):
+            if self.stopping:
+                logger.info("Start-up interrupted")
+                return False
+            for sock, _ in poller.poll(POLL_MS):
+                engine = next(e for e in self.engines if e.sock is sock)
+                engine.sock.recv()
+                engine.ready = True
+            for engine in self.engines:
+                if engine.proc.poll() is not None:
+                    logger.error("Start-up failed: engine core %d exited with code %d", engine.index,
+                                 engine.proc.returncode)
+                    return False
+        assert self.client is not None
+        address = self.client.address
+        logger.info("kvengine ready: serving on %s (data parallel %d, router policy %s, tensor parallel %d)",
+                    address, self.n, self.config.parallel.router_policy, self.config.parallel.tensor_parallel_size)
+        self._start_metrics()
+        if self.api_servers is not None:
+            assert self.metrics_server is not None
+            self.api_servers.spawn(address, resolved_max_model_len(self.config), self.metrics_server.port)
+        return True
+
+    def _start_metrics(self) -> None:
+        server = self.config.server
+        if server.metrics_port is None and not server.api_server_count:
+            return
+        registry = CollectorRegistry()
+        registry.register(EngineMetricsCollector(self.engines))
+        if server.metrics_port is None:
+            self.metrics_server = MetricsServer(registry, "127.0.0.1", 0)
+        else:
+            self.metrics_server = MetricsServer(registry, server.host, server.metrics_port)
+            logger.info("Metrics on http://%s:%d/metrics", server.host, server.metrics_port)
+
+    def _serve(self) -> None:
+        assert self.client is not None
+        client = self.client
+        poller = zmq.Poller()
+        for sock in client.sockets:
+            poller.register(sock, zmq.POLLIN)
+        for engine in self.engines:
+            poller.register(engine.sock, zmq.POLLIN)
+            poller.register(engine.events.sub, zmq.POLLIN)
+        last_check = 0.0
+        while not self.stopping:
+            poller.poll(BACKLOG_RETRY_MS if client.backlogs else POLL_MS)
+            for engine in self.engines:
+                if engine.alive:
+                    self._read_events(engine)
+                    self._read_outputs(engine)
+            client.read()
+            self._apply_inbox()
+            client.flush()
+            if time.monotonic() - last_check >= HEALTH_PERIOD:
+                last_check = time.monotonic()
+                for engine in self.engines:
+                    if engine.alive and engine.proc.poll() is not None and not self.stopping:
+                        poller.unregister(engine.sock)
+                        poller.unregister(engine.events.sub)
+                        self._engine_died(engine)
+                if not any(e.alive for e in self.engines):
+                    logger.error("Every engine core has stopped; exiting")
+                    return
+        client.fail_all("the server is shutting down", reason="abort")
+
+    def _read_events(self, engine: EngineProcess) -> None:
+        try:
+            while batches := engine.events.recv(0):
+                for _, batch in batches:
+                    self.router.on_events(engine.index, batch.events)
+        except (RuntimeError, TimeoutError) as e:
+            logger.warning("Engine core %d: KV events lost (%s); its cached prefixes are forgotten", engine.index, e)
+            self.router.index.clear(engine.index)
+
+    def _read_outputs(self, engine: EngineProcess) -> None:
+        assert self.client is not None
+        while True:
+            try:
+                frame = engine.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = self.outputs_codec.decode(frame)
+            except ProtocolError as e:
+                logger.error("Dropped a malformed message from engine core %d: %s", engine.index, e)
+                continue
+            if msg.outputs:
+                self._finish(msg.outputs)
+                self.client.route(msg.outputs)
+            if msg.stats is not None:
+                self._answer(engine.index, msg.stats)
+            if msg.reset_prefix_cache is not None:
+                self._answer(engine.index, msg.reset_prefix_cache)
+
+    def _finish(self, outputs: list[EngineCoreOutput]) -> None:
+        for out in outputs:
+            if out.finish_reason is not None:
+                engine = self.engine_of.pop(out.request_id, None)
+                if engine is not None:
+                    self.router.finished(engine)
+
+    def _apply_inbox(self) -> None:
+        assert self.client is not None
+        client = self.client
+        for identity, msg in client.take_inbox():
+            if msg is None:
+                client.forget(identity)
+                gone = client.requests_of(identity)
+                if gone:
+                    logger.info("A client disconnected; aborting its %d request(s)", len(gone))
+                    self._abort(gone)
+            elif isinstance(msg, EngineCoreRequest):
+                if client.admit(identity, msg):
+                    self._forward(msg)
+            elif isinstance(msg, EngineCoreAbort):
+                self._abort([rid for rid in msg.request_ids if client.owns(identity, rid)])
+            elif isinstance(msg, EngineCoreGetStats | EngineCoreResetPrefixCache):
+                self._fan_out(identity, msg)
+
+    def _forward(self, request: EngineCoreRequest) -> None:
+        engine = self.router.route(request.prompt_token_ids, request.cache_salt)
+        self.engine_of[request.request_id] = engine
+        self.engines[engine].sock.send(self.client_codec.encode(request))
+
+    def _abort(self, request_ids: list[str]) -> None:
+        by_engine: dict[int, list[str]] = {}
+        for rid in request_ids:
+            engine = self.engine_of.get(rid)
+            if engine is not None:
+                by_engine.setdefault(engine, []).append(rid)
+        for engine, rids in by_engine.items():
+            self.engines[engine].sock.send(self.client_codec.encode(EngineCoreAbort(rids)))
+
+    def _fan_out(self, identity: bytes, msg: EngineCoreGetStats | EngineCoreResetPrefixCache) -> None:
+        live = {e.index for e in self.engines if e.alive}
+        gather = Gather(identity, "stats" if isinstance(msg, EngineCoreGetStats) else "reset", live)
+        payload = self.client_codec.encode(msg)
+        for engine in sorted(live):
+            self.gathers[engine].append(gather)
+            self.engines[engine].sock.send(payload)
+        self._maybe_reply(gather)
+
+    def _answer(self, engine: int, answer: object) -> None:
+        if not self.gathers[engine]:
+            return
+        gather = self.gathers[engine].popleft()
+        gather.answers[engine] = answer
+        self._maybe_reply(gather)
+
+    def _maybe_reply(self, gather: Gather) -> None:
+        """Answer the client once every engine it waits for has answered (or died)."""
+        assert self.client is not None
+        if not gather.waiting.issubset(gather.answers):
+            return
+        if gather.kind == "stats":
+            # A dead engine's place holds empty stats; the sum counts the live ones.
+            stats = [a if isinstance(a := gather.answers.get(i), SchedulerStats) else SchedulerStats()
+                     for i in range(self.n)]
+            live = [s for i, s in enumerate(stats) if i in gather.answers]
+            total = msgspec.structs.replace(sum_stats(live), engines=stats)
+            self.client.reply(gather.identity, [], stats=total)
+        else:
+            self.client.reply(gather.identity, [], reset_prefix_cache=all(gather.answers.values()))
+
+    def _engine_died(self, engine: EngineProcess) -> None:
+        """Fail its requests, stop routing to it, and stop waiting for its answers."""
+        assert self.client is not None
+        engine.alive = False
+        self.router.engine_dead(engine.index)
+        error = f"engine core {engine.index} stopped (exit code {engine.proc.returncode})"
+        logger.error("%s; failing its requests, serving on with the others", error.capitalize())
+        failed = [rid for rid, e in self.engine_of.items() if e == engine.index]
+        for rid in failed:
+            del self.engine_of[rid]
+        self.client.route([EngineCoreOutput(rid, [], "error", error=error) for rid in failed])
+        pending, self.gathers[engine.index] = self.gathers[engine.index], deque()
+        for gather in pending:
+            gather.waiting.discard(engine.index)
+            self._maybe_reply(gather)
+
+    def _close(self) -> None:
+        if self.api_servers is not None:
+            self.api_servers.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+        for engine in self.engines:
+            if engine.proc.poll() is None:
+                engine.proc.send_signal(signal.SIGTERM)
+        for engine in self.engines:
+            engine.stop()
+            engine.close_sockets()
+        if self.client is not None:
+            self.client.close()
+            if self.client.address.startswith("ipc://"):
+                Path(self.client.address.removeprefix("ipc://")).unlink(missing_ok=True)
+        self.ctx.term()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+class EngineMetricsCollector:
+    """Every live engine's Prometheus metrics, fetched from its private endpoint, each sample labelled engine="i"."""
+
+    def __init__(self, engines: list[EngineProcess]) -> None:
+        self.engines = engines
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for engine in self.engines:
+            if not engine.alive or engine.metrics_port is None:
+                continue
+            url = f"http://127.0.0.1:{engine.metrics_port}/metrics"
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(url, timeout=METRICS_FETCH_TIMEOUT) as response:
+                    text = response.read().decode()
+                for family in text_string_to_metric_families(text):
+                    merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                    merged.samples += [s._replace(labels={**s.labels, "engine": str(engine.index)})
+                                       for s in family.samples]
+        yield from families.values()
