@@ -4,6 +4,7 @@ import asyncio
 import os
 import random
 import signal
+import urllib.request
 
 import pytest
 import zmq
@@ -182,3 +183,28 @@ def test_data_parallel_refuses_multi_host_tensor_parallelism(start_server):
     server = start_server("-dp", "2", "--nnodes", "2", "-tp", "2")
     assert wait_exit(server.proc, 60) == 2
     assert "multi-host tensor parallelism" in server.output()
+
+
+def test_the_http_api_and_metrics_sit_in_front_of_the_router(start_server):
+    from tests.e2e.openai_server import start_api_server
+    from tests.e2e.test_observability import free_port
+
+    metrics_port = free_port()
+    api = start_api_server(start_server, "-dp", "2", "--router-policy", "round-robin", "--metrics-port",
+                           str(metrics_port), *SMALL)
+    for i in range(2):  # one request per engine, in turn
+        status, body = api.request("POST", "/v1/completions", {"model": "tiny", "prompt": [5 + i, 6, 7], "max_tokens": 4,
+                                                              "temperature": 0, "ignore_eos": True})
+        assert status == 200, body
+        assert isinstance(body, dict) and body["usage"]["completion_tokens"] == 4
+    status, models = api.request("GET", "/v1/models")
+    assert status == 200 and isinstance(models, dict) and models["data"][0]["max_model_len"] == 512
+
+    def prompt_tokens(text: str) -> dict[str, float]:
+        prefix = "kvengine:prompt_tokens_total{"
+        return {line.split('engine="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line.startswith(prefix)}
+
+    for port in (metrics_port, api.port):  # the router's endpoint, and the API's /metrics that fetches it
+        assert wait_until(lambda p=port: prompt_tokens(
+            urllib.request.urlopen(f"http://127.0.0.1:{p}/metrics", timeout=30).read().decode()) == {"0": 3, "1": 3})
