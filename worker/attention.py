@@ -53,6 +53,11 @@ class StepRequests:
     query_start: torch.Tensor
     positions: torch.Tensor  # [num_tokens]
     token_rows: torch.Tensor  # [num_tokens] block table row of each token
+    # The in-place kernels' view, from the runner's persistent buffers (the torch path does not read it); a
+    # CUDA graph batch has padding requests after the real ones, one token each.
+    query_start_loc: torch.Tensor | None = None  # [reqs + 1] int32: first query row of each request, then the total
+    seq_lens: torch.Tensor | None = None  # [reqs] int32: num_computed + num_scheduled
+    max_query_len: int = 0
 
 
 class RequestKeys(NamedTuple):

@@ -28,7 +28,6 @@ from worker.attention import (
 from worker.ops.cpu_attention import (
     CpuAttentionMetadata,
     CpuAttentionUnavailable,
-    build_cpu_metadata,
     cpu_paged_attention,
     load_extension,
 )
@@ -82,6 +81,8 @@ def resolve_backend(requested: str, device: torch.device) -> BackendName:
 class TorchAttention:
     """Gather + SDPA per span (worker/attention.py), with one scratch buffer shared by every layer."""
 
+    reads_rows = False  # metadata() takes a group's whole block table
+
     def __init__(self, block_size: int, max_model_len: int, kv_heads: int, head_size: int, dtype, device) -> None:
         self.block_size = block_size
         self.kv_bytes_per_token = 2 * kv_heads * head_size * torch.finfo(dtype).bits // 8
@@ -95,14 +96,21 @@ class TorchAttention:
         return paged_attention(q, k, v, cache, meta, self.buffer, scale)
 
 
+def kernel_metadata(block_table: torch.Tensor, window: int | None, reqs: StepRequests) -> CpuAttentionMetadata:
+    assert reqs.query_start_loc is not None and reqs.seq_lens is not None, "the runner's buffers fill these"
+    return CpuAttentionMetadata(block_table, reqs.query_start_loc, reqs.seq_lens, -1 if window is None else window)
+
+
 class CpuKernelAttention:
     """The in-place C++ kernel; its metadata is the block table rows of the step's requests plus their lengths."""
+
+    reads_rows = True  # metadata() takes the scheduled requests' block table rows, not the whole table
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
 
-    def metadata(self, table: torch.Tensor, window: int | None, reqs: StepRequests) -> CpuAttentionMetadata:
-        return build_cpu_metadata(table, reqs.rows, reqs.num_computed, reqs.num_scheduled, self.block_size, window)
+    def metadata(self, block_table: torch.Tensor, window: int | None, reqs: StepRequests) -> CpuAttentionMetadata:
+        return kernel_metadata(block_table, window, reqs)
 
     def __call__(self, q, k, v, cache: torch.Tensor, meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
         return cpu_paged_attention(q, k, v, cache, meta, scale)
@@ -111,17 +119,18 @@ class CpuKernelAttention:
 class TritonAttention:
     """The Triton kernel: the CPU kernel's metadata (plus the longest query count, for the launch grid)."""
 
+    reads_rows = True
+
     def __init__(self, block_size: int) -> None:
         from worker.ops import triton_attention  # triton is optional: imported only when this backend is chosen
 
         self.block_size = block_size
         self.ops = triton_attention
 
-    def metadata(self, table: torch.Tensor, window: int | None, reqs: StepRequests) -> "TritonAttentionMetadata":
-        with table.device:  # build_cpu_metadata makes its offsets on the default device: the table's
-            meta = build_cpu_metadata(table, reqs.rows, reqs.num_computed, reqs.num_scheduled, self.block_size, window)
-        max_query_len = int(reqs.num_scheduled.max()) if reqs.num_scheduled.numel() else 0
-        return self.ops.TritonAttentionMetadata(**vars(meta), max_query_len=max_query_len)
+    def metadata(self, block_table: torch.Tensor, window: int | None,
+                 reqs: StepRequests) -> "TritonAttentionMetadata":
+        meta = kernel_metadata(block_table, window, reqs)
+        return self.ops.TritonAttentionMetadata(**vars(meta), max_query_len=reqs.max_query_len)
 
     def __call__(self, q, k, v, cache: torch.Tensor, meta: "TritonAttentionMetadata", scale: float) -> torch.Tensor:
         return self.ops.triton_paged_attention(q, k, v, cache, meta, scale)

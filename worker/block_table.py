@@ -1,4 +1,8 @@
-"""Per KV cache group block tables: int32 [max_num_reqs, max_num_blocks_per_req], rows reused."""
+"""Per KV cache group block tables: int32 [max_num_reqs, max_num_blocks_per_req], rows reused.
+
+Changes go to a host copy (numpy, no tensor per change); on CUDA it is pinned, and `commit` copies it to the
+device table once per step, before the step reads it.
+"""
 
 import torch
 
@@ -11,29 +15,45 @@ class BlockTableMismatch(RuntimeError):
 
 class BlockTable:
     def __init__(self, max_num_reqs: int, max_num_blocks_per_req: int, device="cpu"):
-        self.table = torch.zeros(max_num_reqs, max_num_blocks_per_req, dtype=torch.int32, device=device)
+        device = torch.device(device)
+        self.host = torch.zeros(max_num_reqs, max_num_blocks_per_req, dtype=torch.int32,
+                                pin_memory=device.type == "cuda")
+        self.np = self.host.numpy()
+        self.table = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
         self.num_blocks = [0] * max_num_reqs
+        self.changed = False
 
     def overwrite(self, row: int, block_ids: list[int]) -> None:
         self._check_room(row, len(block_ids))
-        self.table[row, : len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+        self.np[row, : len(block_ids)] = block_ids
         self.num_blocks[row] = len(block_ids)
+        self.changed = True
 
     def append(self, row: int, block_ids: list[int]) -> None:
         n = self.num_blocks[row]
         self._check_room(row, n + len(block_ids))
-        self.table[row, n : n + len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+        self.np[row, n : n + len(block_ids)] = block_ids
         self.num_blocks[row] = n + len(block_ids)
+        self.changed = True
 
     def clear(self, row: int) -> None:
         self.num_blocks[row] = 0
 
     def block_ids(self, row: int) -> list[int]:
-        return self.table[row, : self.num_blocks[row]].tolist()
+        return self.np[row, : self.num_blocks[row]].tolist()
 
     def null_skipped(self, row: int, num_skipped_blocks: int) -> None:
         """Mirror the ledger: blocks that left a sliding window become the null block 0."""
-        self.table[row, : min(num_skipped_blocks, self.num_blocks[row])] = 0
+        n = min(num_skipped_blocks, self.num_blocks[row])
+        if self.np[row, :n].any():
+            self.np[row, :n] = 0
+            self.changed = True
+
+    def commit(self) -> None:
+        """Copy the host table's changes to the device (without waiting); the CPU table is the host table."""
+        if self.changed and self.table is not self.host:
+            self.table.copy_(self.host, non_blocking=True)
+        self.changed = False
 
     def _check_room(self, row: int, n: int) -> None:
         if n > self.table.shape[1]:
@@ -70,6 +90,10 @@ class BlockTables:
             for table in self.groups:
                 table.clear(row)
             self.free_rows.append(row)
+
+    def commit(self) -> None:
+        for table in self.groups:
+            table.commit()
 
     def block_ids(self, req_id: str) -> list[list[int]]:
         return [table.block_ids(self.rows[req_id]) for table in self.groups]

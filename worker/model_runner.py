@@ -1,5 +1,7 @@
 """Applies SchedulerOutputs: request state, block tables, one forward, sampling on rank 0."""
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -7,11 +9,14 @@ import torch
 from protocol import KVCacheConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
 from protocol.kv_cache_spec import num_skipped_blocks
 from protocol.sizes import cdiv
-from worker.attention import StepRequests
 from worker.attention_backends import Attention, BackendName, CpuKernelAttention, TorchAttention, TritonAttention
 from worker.block_table import BlockTableMismatch, BlockTables
+from worker.cuda_graphs import CudaGraphs, decode_bucket
+from worker.input_buffers import StepBuffers
 from worker.model.llama import LlamaModel
 from worker.sampler import sample, token_logprobs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -23,10 +28,16 @@ class RequestState:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, max_num_seqs: int, max_model_len: int, check_block_tables: bool,
-                 attention_backend: BackendName = "torch"):
+                 attention_backend: BackendName = "torch", max_num_batched_tokens: int = 2048,
+                 cuda_graph_sizes: list[int] | None = None):
+        """cuda_graph_sizes: decode batches are padded to these sizes, whose graphs are captured on CUDA; on the
+        CPU the padded batches run eagerly (tests). None: no padding, no graphs."""
         self.model, self.tp = model, model.tp
         self.attention_backend = attention_backend
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.cuda_graph_sizes = sorted(cuda_graph_sizes) if cuda_graph_sizes else None
+        self.graphs = CudaGraphs()
         self.check_block_tables = check_block_tables
         self.requests: dict[str, RequestState] = {}
         # The names this rank reports in its KV cache specs; the config's groups come back with them.
@@ -41,7 +52,10 @@ class ModelRunner:
             raise ValueError("all KV cache groups must share one block size")
         self.windows = [getattr(g.kv_cache_spec, "sliding_window", None) for g in groups]
         m = self.model
-        shape = (2, m.kv_heads_per_rank, cfg.num_blocks, self.block_size, m.cfg.head_dim)
+        # Padded decode batches write their padding requests' K/V to one more block, past the ledger's.
+        self.pad_block = cfg.num_blocks
+        num_blocks = cfg.num_blocks + (1 if self.cuda_graph_sizes else 0)
+        shape = (2, m.kv_heads_per_rank, num_blocks, self.block_size, m.cfg.head_dim)
         num_tensors = max(len(g.layer_names) for g in groups)
         self.kv_tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_tensors)]
         slots: dict[int, tuple[int, int]] = {}  # layer index -> (group, tensor)
@@ -64,10 +78,30 @@ class ModelRunner:
         else:
             self.attention = TorchAttention(self.block_size, self.max_model_len, m.kv_heads_per_rank, m.cfg.head_dim,
                                             dtype, device)
+        if self.cuda_graph_sizes and not self.attention.reads_rows:
+            raise ValueError("padded decode batches (CUDA graphs) need the triton or cpu attention backend")
         self.device = device
+        graph_max = self.cuda_graph_sizes[-1] if self.cuda_graph_sizes else 0
+        self.buffers = StepBuffers(max(padded_num_tokens(self.max_num_batched_tokens), graph_max),
+                                   max(self.max_num_seqs, graph_max), max_blocks, len(groups), device)
         # oneDNN JIT-compiles a matmul kernel per shape for bf16/fp16 on CPU, ~5 ms and ~1 MiB each, kept for the
         # life of the process: padding each step's token count to a few sizes bounds both (fp32 runs MKL's sgemm).
         self.pad_tokens = device.type == "cpu" and dtype != torch.float32
+        if self.cuda_graph_sizes and device.type == "cuda":
+            self._capture()
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        assert self.cuda_graph_sizes is not None
+        metas: list = []
+
+        def prepare(size: int) -> None:
+            metas[:] = self._prepare([], [], [], [], size, size)
+
+        start = time.perf_counter()
+        self.graphs.capture(self.cuda_graph_sizes, prepare, lambda size: self._forward(size, metas))
+        log.info("CUDA graphs: captured %d decode batch sizes (%s) in %.1f s", len(self.cuda_graph_sizes),
+                 ", ".join(map(str, self.cuda_graph_sizes)), time.perf_counter() - start)
 
     def _check_windows(self, groups) -> None:
         for i, (g, _) in enumerate(self.layer_slots):
@@ -75,6 +109,7 @@ class ModelRunner:
                 raise ValueError(f"layer {i}'s sliding window does not match its KV cache group {g}'s spec")
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.buffers.wait_for_copies()  # the host buffers and tables change from here on
         for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
             self.requests.pop(req_id, None)
             self.tables.free(req_id)
@@ -123,46 +158,60 @@ class ModelRunner:
     def _run(self, batch: list[tuple[str, int]],
              num_scheduled: dict[str, int]) -> tuple[list[list[int]], list[TokenLogprobs | None] | None]:
         ids, counts, computed, samplers = [], [], [], []
-        positions: list[int] = []
         for i, (req_id, nc) in enumerate(batch):
             state, n = self.requests[req_id], num_scheduled[req_id]
             if nc + n > len(state.token_ids):
                 raise ValueError(f"{req_id}: {nc}+{n} scheduled tokens but only {len(state.token_ids)} known")
             ids += state.token_ids[nc : nc + n]
-            positions += range(nc, nc + n)
             counts.append(n)
             computed.append(nc)
             if nc + n == len(state.token_ids):
                 samplers.append(i)
-        dev = self.device
         num_tokens = len(ids)
-        padding = padded_num_tokens(num_tokens) - num_tokens if self.pad_tokens else 0
-        padded_positions = torch.tensor(positions + [0] * padding, device=dev)
-        counts_t = torch.tensor(counts, device=dev)
-        rows = torch.tensor([self.tables.rows[r] for r, _ in batch], device=dev)
-        reqs = StepRequests(
-            rows=rows,
-            num_computed=torch.tensor(computed, device=dev),
-            num_scheduled=counts_t,
-            query_start=torch.cumsum(counts_t, 0) - counts_t,
-            positions=padded_positions[:num_tokens],
-            token_rows=torch.repeat_interleave(rows, counts_t),
-        )
-        metas = [
-            self.attention.metadata(t.table, w, reqs)
-            for t, w in zip(self.tables.groups, self.windows, strict=True)
-        ]
-        hidden = self.model.forward(
-            torch.tensor(ids + [0] * padding, device=dev),
-            padded_positions,
-            num_tokens,
+        rows = [self.tables.rows[r] for r, _ in batch]
+        bucket = decode_bucket(self.cuda_graph_sizes, counts)
+        if bucket is not None:  # a decode batch padded to a captured size: every token is a request
+            num_padded_tokens, num_padded_reqs = bucket, bucket
+        else:
+            num_padded_tokens = padded_num_tokens(num_tokens) if self.pad_tokens else num_tokens
+            num_padded_reqs = 0
+        metas = self._prepare(ids, rows, computed, counts, num_padded_tokens, num_padded_reqs)
+        hidden = None if bucket is None else self.graphs.replay(bucket)
+        if hidden is None:
+            hidden = self._forward(num_padded_tokens, metas, num_tokens if bucket is None else bucket)
+        result = self._sample(batch, hidden[:num_tokens], samplers)
+        self.buffers.record_copies()
+        return result
+
+    def _prepare(self, ids: list[int], rows: list[int], computed: list[int], counts: list[int],
+                 num_padded_tokens: int, num_padded_reqs: int) -> list:
+        """Fill the persistent buffers with the step; the attention metadata of each layer."""
+        buf = self.buffers
+        reqs = buf.fill(ids, rows, computed, counts, num_padded_tokens, num_padded_reqs)
+        self.tables.commit()
+        tables = [t.table for t in self.tables.groups]
+        if self.attention.reads_rows:  # the kernels read the scheduled requests' rows, gathered in batch order
+            # a graph's batch keeps the table's full width, so its buffer's layout never changes
+            width = buf.max_num_blocks if num_padded_reqs else cdiv(int(buf.seq_lens.np[: len(rows)].max()),
+                                                                    self.block_size)
+            tables = buf.gather_block_tables(tables, reqs.rows, width, num_padded_reqs, self.pad_block)
+        metas = [self.attention.metadata(t, w, reqs) for t, w in zip(tables, self.windows, strict=True)]
+        return [metas[g] for g, _ in self.layer_slots]
+
+    def _forward(self, num_padded_tokens: int, metas: list, num_tokens: int | None = None) -> torch.Tensor:
+        """The model over the buffers' first num_padded_tokens tokens, of which attention sees num_tokens (default:
+        all); a padded decode batch's attention sees its padding requests too."""
+        buf = self.buffers
+        return self.model.forward(
+            buf.padded_input_ids(num_padded_tokens),
+            buf.padded_positions(num_padded_tokens),
+            num_padded_tokens if num_tokens is None else num_tokens,
             [self.kv_tensors[j] for _, j in self.layer_slots],
-            [metas[g] for g, _ in self.layer_slots],
+            metas,
             self.attention,
         )
-        return self._sample(batch, hidden, reqs, samplers)
 
-    def _sample(self, batch, hidden, reqs: StepRequests,
+    def _sample(self, batch, hidden,
                 samplers: list[int]) -> tuple[list[list[int]], list[TokenLogprobs | None] | None]:
         """Per request of the batch: its sampled token ([] for a prefill chunk that samples nothing), and on
         rank 0 the log-probabilities of those that asked for them (None: no request did)."""
@@ -170,8 +219,8 @@ class ModelRunner:
         logprobs: list[TokenLogprobs | None] | None = None
         if not samplers:
             return out, logprobs
-        last = (reqs.query_start + reqs.num_scheduled - 1)[samplers]
-        rows = hidden[last]
+        last = self.buffers.sample_indices(samplers, len(batch))
+        rows = hidden[: len(batch)] if last is None else hidden.index_select(0, last)
         if self.pad_tokens:  # the LM head's matmul too
             rows = torch.nn.functional.pad(rows, (0, 0, 0, padded_num_tokens(len(samplers)) - len(samplers)))
         logits = self.model.logits(rows)

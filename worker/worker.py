@@ -23,6 +23,7 @@ from protocol.kv_cache_spec import blocks_per_request, bytes_per_block, check_fi
 from protocol.sizes import cdiv
 from worker import memory
 from worker.attention_backends import resolve_backend
+from worker.cuda_graphs import cuda_graph_sizes
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_model
 from worker.model_runner import ModelRunner
@@ -78,8 +79,10 @@ class Worker:
         ops = load_extension() if backend == "cpu" else None
         self.model = LlamaModel(cfg, weights, self.tp, self.max_model_len, self.dtype, self.device, ops)
         self.weights_bytes = self._allocated() - weights_before
-        self.runner = ModelRunner(self.model, config.scheduler.max_num_seqs, self.max_model_len,
-                                  config.scheduler.check_block_tables, backend)
+        max_num_seqs = config.scheduler.max_num_seqs
+        graph_sizes = cuda_graph_sizes(self.device, config.model.enforce_eager, backend, tp_size, max_num_seqs)
+        self.runner = ModelRunner(self.model, max_num_seqs, self.max_model_len, config.scheduler.check_block_tables,
+                                  backend, self.max_num_batched_tokens, graph_sizes)
         log.info("rank %d: %s, attention backend %s", rank, str(self.dtype).removeprefix("torch."), backend)
 
     def _allocated(self) -> int:
@@ -134,7 +137,8 @@ class Worker:
         lengths = [per_req] * (total // per_req) + ([total % per_req] if total % per_req else [])
         blocks_per_req = [cdiv(n, self.block_size) for n in lengths]
         groups = [KVCacheGroupSpec([name], spec) for name, spec in self.kv_cache_specs().items()]
-        scratch = ModelRunner(self.model, len(lengths), self.max_model_len, False, self.runner.attention_backend)
+        scratch = ModelRunner(self.model, len(lengths), self.max_model_len, False, self.runner.attention_backend,
+                              total)
         scratch.init_kv_cache(KVCacheConfig(sum(blocks_per_req) + 1, groups), self.dtype, self.device)
         scratch.execute_model(_profile_output(lengths, blocks_per_req, len(groups)))
 
