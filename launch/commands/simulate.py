@@ -12,8 +12,11 @@ import logging
 import sys
 from dataclasses import replace
 
+from tqdm import tqdm
+
 from launch.config_args import add_config_args, config_from_args
 from launch.simulate.ceiling import count_prefix_hits
+from launch.simulate.dp_replay import DPReplay
 from launch.simulate.executor import (
     DEFAULT_COST_PER_DECODE_TOKEN,
     DEFAULT_DECODE_COST_PER_STEP,
@@ -21,20 +24,26 @@ from launch.simulate.executor import (
     CostModel,
 )
 from launch.simulate.replay import Replay, SimConfig, check_settings, with_settings
-from launch.simulate.report import plot_sweep, result_table, sweep_table
+from launch.simulate.report import dp_result_table, plot_sweep, result_table, sweep_table
 from launch.simulate.result import SimResult
 from launch.simulate.sweep import log_spaced, monotonic_violations, sweep
 from launch.simulate.trace import TRACE_BLOCK_TOKENS, TraceRequest, read_trace
 from protocol.config import AREA_OF, EngineConfig
 
-ENGINE_AREAS = ("model", "cache", "scheduler")
+ENGINE_AREAS = ("model", "cache", "scheduler", "parallel")
+# Of the parallel settings, a replay takes the data-parallel ones (N engine cores behind the router).
+REPLAY_PARALLEL_SETTINGS = ("data_parallel_size", "router_policy")
 # Engine settings that mean nothing without a model: hidden from the help, and refused rather than ignored.
-NO_MODEL_SETTINGS = ("model", "dtype", "gpu_memory_utilization", "kv_cache_memory_bytes")
+NO_MODEL_SETTINGS = ("model", "dtype", "gpu_memory_utilization", "kv_cache_memory_bytes",
+                     *(name for name, area in AREA_OF.items()
+                       if area == "parallel" and name not in REPLAY_PARALLEL_SETTINGS))
 # The engine flags whose meaning a replay changes.
 SIMULATE_HELP = {
     "--max-model-len": "longest prompt + output in tokens; default: the longest request of the trace, "
                        "or the whole cache if smaller",
     "--block-size": f"tokens per KV block, must divide {TRACE_BLOCK_TOKENS} (default: %(default)s)",
+    "--data-parallel-size": "engine cores replayed behind the router (engine_core/routing.py) on one simulated clock; "
+                            "--kv-cache-tokens is then their total, split evenly (default: %(default)s)",
 }
 
 
@@ -145,10 +154,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return _fail("the trace has no requests", 2)
     if args.plot and not args.sweep:
         return _fail("--plot needs --sweep", 2)
+    data_parallel = config.parallel.data_parallel_size > 1
+    if data_parallel and (args.sweep or args.check_ceiling):
+        return _fail("--sweep and --check-ceiling replay one engine core; drop --data-parallel-size", 2)
     # Requests longer than the cache can hold are rejected one by one; the table counts them instead.
     logging.getLogger("engine_core.scheduler").setLevel(logging.ERROR)
     try:
-        problems = (_run_sweep if args.sweep else _run_once)(args, requests, config, sim)
+        run = _run_data_parallel if data_parallel else _run_sweep if args.sweep else _run_once
+        problems = run(args, requests, config, sim)
     except (ValueError, RuntimeError) as e:
         return _fail(str(e), 1)
     if problems and not args.json:
@@ -204,6 +217,25 @@ def _run_once(args: argparse.Namespace, requests: list[TraceRequest], config: En
         c = out["ceiling_check"]
         print(f"ceiling check: direct count {c['direct_count_tokens']:,} tokens, infinite replay "
               f"{c['infinite_replay_tokens']:,} tokens, per request equal: {c['per_request_equal']}")
+    return problems
+
+
+def _run_data_parallel(args: argparse.Namespace, requests: list[TraceRequest], config: EngineConfig,
+                       sim: SimConfig) -> list[str]:
+    parallel = config.parallel
+    replay = DPReplay(requests, config, sim, parallel.data_parallel_size, parallel.router_policy)
+    bar = None if args.no_progress else tqdm(total=len(requests), unit="req", file=sys.stderr, dynamic_ncols=True,
+                                             desc=f"simulate DP {parallel.data_parallel_size} {parallel.router_policy}")
+    try:
+        result = replay.run(None if bar is None else bar.update)
+    finally:
+        if bar is not None:
+            bar.close()
+    problems = result.checks()
+    if args.json:
+        print(json.dumps({"result": result.to_dict(), "problems": problems}, indent=2))
+    else:
+        print(dp_result_table(result))
     return problems
 
 

@@ -1,6 +1,7 @@
 """How `kvengine simulate` shows its figures: a table per replay, one line per sweep point, a plot."""
 
 from launch.plot import check_matplotlib
+from launch.simulate.dp_replay import DPResult
 from launch.simulate.result import SimResult
 
 
@@ -29,6 +30,26 @@ def result_table(r: SimResult) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def dp_result_table(r: DPResult) -> str:
+    """The totals, then one line per engine core."""
+    rows = [
+        ("engine cores", f"{r.num_engines} behind the router, policy {r.router_policy}"),
+        ("requests", f"{r.num_requests:,} ({r.num_finished:,} finished, {r.num_rejected:,} rejected)"),
+        ("prefix-cache hit rate", f"{r.hit_rate:.2%} ({r.num_cached_tokens:,} of {r.num_prompt_tokens:,} tokens)"),
+        ("one infinite cache", f"{r.ceiling_hit_rate:.2%}"),
+        ("KV cache", f"{r.kv_cache_tokens:,} tokens ({r.kv_cache_tokens_per_engine:,} per engine)"),
+        ("simulated time", f"{r.sim_time_s:,.1f} s"),
+        ("TTFT p50 / p90 / p99", f"{_ms(r.ttft_p50_s)} / {_ms(r.ttft_p90_s)} / {_ms(r.ttft_p99_s)}"),
+        ("wall time", f"{r.wall_time_s:,.1f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    lines.append(f"{'engine':>6} {'requests':>9} {'prompt tokens':>14} {'hit rate':>9} {'preempt':>8} {'steps':>8}")
+    lines += [f"{i:>6} {e.num_requests:>9,} {e.num_prompt_tokens:>14,} {e.hit_rate:>9.2%} {e.num_preemptions:>8,} "
+              f"{e.num_steps:>8,}" for i, e in enumerate(r.engines)]
+    return "\n".join(lines)
 
 
 def sweep_table(results: list[SimResult]) -> str:
