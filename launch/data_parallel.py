@@ -148,16 +148,19 @@ class EngineProcess:
         self.ready = False
         self.alive = True
 
-    def stop(self) -> None:
-        """SIGTERM (the engine stops its workers), then SIGKILL if it does not exit in time."""
+    def terminate(self) -> None:
+        """SIGTERM: the engine core fails its requests, stops its workers and exits."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(ENGINE_STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                logger.error("Engine core %d did not stop within %.0f s; killing it", self.index, ENGINE_STOP_TIMEOUT)
-                self.proc.kill()
-                self.proc.wait()
+
+    def wait(self) -> None:
+        """Until it exited; SIGKILL if it takes longer than ENGINE_STOP_TIMEOUT."""
+        try:
+            self.proc.wait(ENGINE_STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            logger.error("Engine core %d did not stop within %.0f s; killing it", self.index, ENGINE_STOP_TIMEOUT)
+            self.proc.kill()
+            self.proc.wait()
         self.log_thread.join(5)
 
     def close_sockets(self) -> None:
@@ -448,11 +451,10 @@ class DataParallelServer:
             self.api_servers.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
+        for engine in self.engines:  # all at once: they stop in parallel
+            engine.terminate()
         for engine in self.engines:
-            if engine.proc.poll() is None:
-                engine.proc.send_signal(signal.SIGTERM)
-        for engine in self.engines:
-            engine.stop()
+            engine.wait()
             engine.close_sockets()
         if self.client is not None:
             self.client.close()

@@ -139,31 +139,40 @@ def engine_pids(server: ServerProcess) -> dict[int, int]:
 
 
 def test_a_killed_engine_fails_its_requests_and_the_other_serves_on(start_server):
-    server = start_server("-dp", "2", "--router-policy", "round-robin", *SMALL)
+    server = start_server("-dp", "2", "--router-policy", "round-robin", "--max-model-len", "2048",
+                          "--kv-cache-memory-bytes", "40MiB")
     asyncio.run(server.wait_ready())
     pids = engine_pids(server)
     assert sorted(pids) == [0, 1]
-    long = SamplingParams(max_tokens=480, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)  # far longer than the test's steps
 
     async def scenario():
         async with AsyncEngineClient(server.address) as client:
-            streams = [client.generate([5 + i, 6, 7, 8], long) for i in range(4)]
-            firsts = [await s.__anext__() for s in streams]  # every request runs (two per engine, in turn)
-            assert all(f.new_token_ids for f in firsts)
-            os.kill(pids[1], signal.SIGKILL)
-            lasts = []
-            for s in streams:
-                last = None
-                async for out in s:
-                    last = out
-                lasts.append(last)
-            after = await collect(client, [9, 9, 9], GREEDY)
-            return lasts, after
+            started = [asyncio.Event() for _ in range(4)]
 
-    lasts, (tokens, after) = asyncio.run(scenario())
-    reasons = sorted(last.finish_reason for last in lasts)
-    assert reasons == ["error", "error", "length", "length"]
-    assert all("engine core 1 stopped" in last.error for last in lasts if last.finish_reason == "error")
+            async def one(i: int):
+                last = None
+                async for out in client.generate([5 + i, 6, 7, 8], long):
+                    started[i].set()
+                    last = out
+                return last
+
+            tasks = [asyncio.create_task(one(i)) for i in range(4)]  # two per engine, in turn
+            await asyncio.gather(*(e.wait() for e in started))
+            os.kill(pids[1], signal.SIGKILL)
+            while sum(t.done() for t in tasks) < 2:  # engine 1's two; engine 0's still have most of 2000 to go
+                await asyncio.wait([t for t in tasks if not t.done()], return_when=asyncio.FIRST_COMPLETED)
+            failed = [t.result() for t in tasks if t.done()]
+            for t in tasks:
+                if not t.done():
+                    t.cancel()  # the other engine's requests: aborted, no need to wait for 2000 tokens
+            await asyncio.gather(*tasks, return_exceptions=True)
+            after = await collect(client, [9, 9, 9], GREEDY)
+            return failed, after
+
+    failed, (tokens, after) = asyncio.run(scenario())
+    assert [last.finish_reason for last in failed] == ["error", "error"], [(x.finish_reason, x.error) for x in failed]
+    assert all("engine core 1 stopped" in last.error for last in failed)
     assert after.finish_reason == "length" and len(tokens) == GREEDY.max_tokens
     assert "Engine core 1 stopped" in server.output()
 
