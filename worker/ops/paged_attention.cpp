@@ -121,7 +121,10 @@ class ItemRunner {
         queries_(static_cast<size_t>(d_) * kLanes),
         scores_(static_cast<size_t>(key_stride_) * kLanes), acc_(static_cast<size_t>(kLanes) * d_),
         kf_(std::is_same_v<T, float> ? 0 : static_cast<size_t>(s.block_size) * d_), vf_(kf_.size()),
-        dot_(kDotT && d_ % 32 == 0), qbits_(dot_ ? static_cast<size_t>(d_) * kLanes : 0) {}
+        dot_(kDotT && d_ % 32 == 0), qbits_(dot_ ? static_cast<size_t>(d_) * kLanes : 0),
+        vpairs_(dot_ ? static_cast<size_t>(s.block_size + 1) * d_ : 0),
+        ppairs_(dot_ ? static_cast<size_t>(s.block_size + 1) / 2 * kLanes : 0),
+        zeros_(dot_ ? d_ : 0, c10::BFloat16(0.0f)) {}
 
   void run(const Item& it, const Request& rq) {
     const int64_t BS = s_.block_size;
@@ -166,17 +169,13 @@ class ItemRunner {
       if (wide_) {
         if (dot_) {
           score_wide_dot(k, static_cast<int32_t>(base), j0, j1);
+          accumulate_wide_dot(v, j0, j1);
         } else {
           score_wide(as_float(k, j0, j1, kf_), static_cast<int32_t>(base), j0, j1);
-        }
-        accumulate(as_float(v, j0, j1, vf_), j0, j1, 1, kLanes);
-      } else if (dot_) {  // decodes: a few rows share each key, so V is converted as it is read
-        if constexpr (kDotT) {
-          score_narrow(nullptr, k, static_cast<int32_t>(base), j0, j1);
-          accumulate(v, j0, j1, key_stride_, 1);
+          accumulate(as_float(v, j0, j1, vf_), j0, j1, 1, kLanes);
         }
       } else {
-        score_narrow(as_float(k, j0, j1, kf_), nullptr, static_cast<int32_t>(base), j0, j1);
+        score_narrow(dot_ ? nullptr : as_float(k, j0, j1, kf_), k, static_cast<int32_t>(base), j0, j1);
         accumulate(as_float(v, j0, j1, vf_), j0, j1, key_stride_, 1);
       }
     }
@@ -385,15 +384,37 @@ class ItemRunner {
     return acc;
   }
 
-  static vfloat load_row(const float* p) { return load(p); }
-  static vfloat load_row(const c10::BFloat16* p) { return load_bf16(p); }
-  static vfloat load_row(const c10::Half* p) = delete;
+  // accumulate for wide items by bf16 dot products over pairs of keys, as GPU kernels take P @ V: the
+  // probabilities rounded to bf16, V interleaved by key pairs (a missing last key counts as zero), fp32 sums.
+  void accumulate_wide_dot(const T* v, int j0, int j1) {
+    if constexpr (kDotT) {
+      const int D = d(), pairs = (j1 - j0 + 1) / 2;
+      for (int k = 0; k < pairs; ++k) {
+        const int j = j0 + 2 * k;
+        const T* second = j + 1 < j1 ? v + static_cast<int64_t>(j + 1) * D : zeros_.data();
+        for (int c = 0; c < D; c += 32) {
+          uint16_t* dst = vpairs_.data() + (static_cast<int64_t>(k) * D + c) * 2;
+          interleave_bf16(v + static_cast<int64_t>(j) * D + c, second + c, dst, dst + 32);
+        }
+        const vfloat p1 = j + 1 < j1 ? load(scores_.data() + (j + 1) * kLanes) : vfloat{};
+        pack_bf16_pairs(load(scores_.data() + j * kLanes), p1, ppairs_.data() + k * kLanes);
+      }
+      for (int m = 0; m < rows_; ++m) {
+        float* acc = acc_.data() + static_cast<int64_t>(m) * D;
+        for (int c = 0; c < D; c += kLanes) {
+          vfloat r = load(acc + c) * alpha_[m];
+          for (int k = 0; k < pairs; ++k) {
+            r = dot_bf16_pair(r, vpairs_.data() + (static_cast<int64_t>(k) * D + c) * 2, ppairs_[k * kLanes + m]);
+          }
+          store(acc + c, r);
+        }
+      }
+    }
+  }
 
   // acc[row] = alpha[row] * acc[row] + sum_j p(row, j) V[j], with p(row, j) at
   // scores_[row * row_stride + j * key_stride] (wide items: 1, kLanes; narrow ones: key_stride_, 1).
-  // V as fp32, or as bf16 converted while it is read (then D is a multiple of kLanes).
-  template <typename V>
-  void accumulate(const V* v, int j0, int j1, int row_stride, int key_stride) {
+  void accumulate(const float* v, int j0, int j1, int row_stride, int key_stride) {
     const int D = d();
     for (int m = 0; m < rows_; ++m) {
       float* acc = acc_.data() + static_cast<int64_t>(m) * D;
@@ -404,17 +425,10 @@ class ItemRunner {
         for (int c = 0; c < kD / kLanes; ++c) r[c] = load(acc + c * kLanes) * a;
         for (int j = j0; j < j1; ++j) {
           const vfloat pj = splat(p[j * key_stride]);
-          const V* vj = v + static_cast<int64_t>(j) * kD;
-          for (int c = 0; c < kD / kLanes; ++c) r[c] += pj * load_row(vj + c * kLanes);
+          const float* vj = v + static_cast<int64_t>(j) * kD;
+          for (int c = 0; c < kD / kLanes; ++c) r[c] += pj * load(vj + c * kLanes);
         }
         for (int c = 0; c < kD / kLanes; ++c) store(acc + c * kLanes, r[c]);
-      } else if constexpr (!std::is_same_v<V, float>) {
-        for (int i = 0; i < D; ++i) acc[i] *= a;
-        for (int j = j0; j < j1; ++j) {
-          const vfloat pj = splat(p[j * key_stride]);
-          const V* vj = v + static_cast<int64_t>(j) * D;
-          for (int c = 0; c < D; c += kLanes) store(acc + c, load(acc + c) + pj * load_row(vj + c));
-        }
       } else {
         for (int i = 0; i < D; ++i) acc[i] *= a;
         for (int j = j0; j < j1; ++j) axpy<kD>(acc, p[j * key_stride], v + static_cast<int64_t>(j) * D, D);
@@ -449,7 +463,9 @@ class ItemRunner {
   const int64_t prefetch_blocks_;
   std::vector<float> queries_, scores_, acc_, kf_, vf_;
   const bool dot_;
-  std::vector<uint16_t> qbits_;
+  std::vector<uint16_t> qbits_, vpairs_;  // with dot_: bf16 queries; a block's V interleaved by key pairs
+  std::vector<uint32_t> ppairs_;          // with dot_: per key pair, each row's two probabilities as bf16
+  const std::vector<c10::BFloat16> zeros_;
   int rows_ = 0;
   bool wide_ = false;
   int32_t lo_[kLanes], hi_[kLanes];  // per row: first and last visible key position
