@@ -160,3 +160,21 @@ def test_prefix_prefers_the_longest_held_prefix_then_the_least_load():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="round-robin"):
         Router(2, "random", BLOCK_SIZE, "sha256")  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), max_size=6), min_size=3, max_size=3),
+       st.lists(st.integers(0, 4), min_size=3, max_size=3), st.integers(1, 6))
+def test_prefix_picks_a_longest_holder_and_the_least_loaded_among_them(held_blocks, loads, prompt_blocks):
+    """Whatever each engine holds of the prompt's chain and whatever its load, the pick is optimal."""
+    router = Router(3, "prefix", BLOCK_SIZE, "xxhash")
+    prompt = prompt_of(11, prompt_blocks * BLOCK_SIZE)
+    chain = router.hasher(prompt)
+    for engine, held in enumerate(held_blocks):
+        router.on_events(engine, [stored(*(chain[i] for i in held if i < len(chain)))] if held else [])
+    router.loads = list(loads)
+    matched = router.index.matched_blocks(chain)
+    engine = router.route(prompt)
+    assert matched[engine] == max(matched)
+    assert loads[engine] == min(loads[e] for e in range(3) if matched[e] == max(matched))
+    assert router.loads[engine] == loads[engine] + 1
