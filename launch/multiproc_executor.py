@@ -200,14 +200,21 @@ class MultiprocExecutor:
                 logger.error("Dropped a malformed message from %r: %s", frames[0], e)
                 continue
             if isinstance(msg, WorkerError):
-                time.sleep(0.2)  # a rank that died often makes its peers fail in a collective: name the dead one
-                self.check_health()
+                self._name_the_dead()
                 raise WorkerFailedError(rank, f"failed: {msg.message}", self.host_of(rank))
             if isinstance(msg, wanted) and rank in ranks:
                 got[rank] = msg
             else:
                 logger.error("Dropped an unexpected %s from %r", type(msg).__name__, frames[0])
         return got
+
+    def _name_the_dead(self) -> None:
+        """A rank that died often makes its peers fail in a collective: wait a little for its death (or its host's
+        report of it) to raise instead."""
+        deadline = time.monotonic() + (2 * HEARTBEAT_INTERVAL if self.remote else 0.2)
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            self.check_health()
 
     def _send_all(self, msg: EngineToWorker) -> None:
         payload = self.encoder.encode(msg)

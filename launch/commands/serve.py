@@ -164,6 +164,7 @@ class EngineServer:
             self.executor = MultiprocExecutor(self.ctx, configs[0].engine_address, configs, self._check_stop)
             self.engine = EngineCore(self.config, self.executor)
         except (KVCacheSizingError, ValueError, OSError, zmq.ZMQError) as e:
+            self.failure = f"start-up failed: {e}"
             logger.error("Start-up failed: %s", e)
             return None
         gc.freeze()  # the block pool's objects live as long as the server: keep them out of GC passes
