@@ -1,7 +1,9 @@
-"""Model benchmarks: engine vs transformers generate, cached-prefix prefill, paged attention vs SDPA.
+"""Model benchmarks: engine vs transformers generate, cached-prefix prefill, paged attention vs SDPA, and the
+worker's decode step.
 
     python bench/model_bench.py                 # everything, both models
     python bench/model_bench.py --only attention --device cuda
+    python bench/model_bench.py --only step --models large --threads 2
 
 Figures depend on the machine and on what else runs there; the numbers are printed, never asserted.
 """
@@ -150,6 +152,42 @@ def bench_prefix(name: str, folder, device, repeats: int = 3) -> list[list]:
     return [[name, f"{c * 1e3:.1f}", f"{w * 1e3:.1f}", f"{c / w:.1f}x"]]
 
 
+# ---- one decode step of the worker -----------------------------------------------------------------
+
+
+def bench_step(name: str, folder, device, batch: int = 64, prompt_len: int = 256, steps: int = 32) -> list[list]:
+    """Worker.execute_model of decode steps at `batch` requests (prompts of prompt_len, prefilled first): the
+    median step, including the runner's inputs, metadata, forward and sampling, not the scheduler."""
+    from tests.worker.harness import Driver, kv_config
+    from worker.worker import Worker
+
+    config = engine_config(model=str(folder), device=device, max_model_len=prompt_len + steps + 16,
+                           max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
+                           kv_cache_memory_bytes=[1 << 30])
+    w = Worker(config)
+    cfg = kv_config(w, batch * -(-(prompt_len + steps + 16) // 16) + 1)
+    w.init_kv_cache(cfg)
+    times: list[float] = []
+    execute = w.execute_model
+
+    def timed(so):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = execute(so)
+        times.append(time.perf_counter() - t)
+        return out
+
+    w.execute_model = timed
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 1000) for _ in range(prompt_len)] for _ in range(batch)]
+    Driver(w, cfg, prefix_caching=False).run(prompts, steps + 1)
+    decode = sorted(times[1:-1])  # not the prefill, not the last (empty) step
+    progress(f"{name}: decode steps (ms): {' '.join(f'{t * 1e3:.1f}' for t in times[1:-1])}")
+    return [[name, batch, str(w.dtype).removeprefix("torch."), w.runner.attention_backend,
+             f"{decode[len(decode) // 2] * 1e3:.2f}", f"{decode[0] * 1e3:.2f}"]]
+
+
 # ---- paged attention vs SDPA on contiguous K/V ---------------------------------------------------
 
 
@@ -224,14 +262,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--models", default="tiny,large")
-    ap.add_argument("--only", choices=["throughput", "prefix", "attention"], action="append")
+    ap.add_argument("--only", choices=["throughput", "prefix", "attention", "step"], action="append")
     ap.add_argument("--quick", action="store_true", help="smaller workloads (16 ragged requests)")
     ap.add_argument("--hf-batch", type=int, default=8, help="transformers generate batch size")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    parts = args.only or ["attention", "prefix", "throughput"]
+    parts = args.only or ["attention", "prefix", "step", "throughput"]
     if "attention" in parts:
         rows = [
             row
@@ -256,6 +294,13 @@ def main() -> None:
             table(
                 "prefill of 1,024 + 16 tokens: prefix not cached vs cached (best of 3)",
                 ["model", "uncached ms", "cached ms", "speed-up"],
+                rows,
+            )
+        if "step" in parts:
+            rows = [r for name, f in folders.items() for r in bench_step(name, f, args.device)]
+            table(
+                "worker decode step (execute_model), 64 requests of 256 + 1..32 tokens",
+                ["model", "batch", "dtype", "attention", "median ms", "best ms"],
                 rows,
             )
         if "throughput" in parts:
