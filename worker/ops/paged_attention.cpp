@@ -145,6 +145,12 @@ class ItemRunner {
       max_[m] = kMasked;
       sum_[m] = 0.0f;
     }
+    seen_by_all_lo_ = 0;
+    seen_by_all_hi_ = std::numeric_limits<int32_t>::max();
+    for (int m = 0; m < rows_; ++m) {
+      seen_by_all_lo_ = std::max(seen_by_all_lo_, lo_[m]);
+      seen_by_all_hi_ = std::min(seen_by_all_hi_, hi_[m]);
+    }
     load_queries(it, rq);
     std::fill(acc_.begin(), acc_.end(), 0.0f);
     const int64_t D = d(), kv_stride = s_.num_blocks * BS * D;  // one kv head of K (or V)
@@ -237,6 +243,7 @@ class ItemRunner {
   void score_wide(const float* k, int32_t base, int j0, int j1) {
     const int D = d();
     const vint lo = load_int(lo_), hi = load_int(hi_);
+    const bool seen = seen_by_all(base, j0, j1);
     vfloat block_max = splat(kMasked);
     int j = j0;
     for (; j + 4 <= j1; j += 4) {  // four keys per pass over the queries: fewer loads per FMA
@@ -249,18 +256,18 @@ class ItemRunner {
         s2 += qi * kj[2 * D + i];
         s3 += qi * kj[3 * D + i];
       }
-      block_max = vmax(block_max, mask_and_store(s0, base, j, lo, hi));
-      block_max = vmax(block_max, mask_and_store(s1, base, j + 1, lo, hi));
-      block_max = vmax(block_max, mask_and_store(s2, base, j + 2, lo, hi));
-      block_max = vmax(block_max, mask_and_store(s3, base, j + 3, lo, hi));
+      block_max = vmax(block_max, mask_and_store(s0, base, j, lo, hi, seen));
+      block_max = vmax(block_max, mask_and_store(s1, base, j + 1, lo, hi, seen));
+      block_max = vmax(block_max, mask_and_store(s2, base, j + 2, lo, hi, seen));
+      block_max = vmax(block_max, mask_and_store(s3, base, j + 3, lo, hi, seen));
     }
     for (; j < j1; ++j) {
       const float* kj = k + static_cast<int64_t>(j) * D;
       vfloat s{};
       for (int i = 0; i < D; ++i) s += load(queries_.data() + i * kLanes) * kj[i];
-      block_max = vmax(block_max, mask_and_store(s, base, j, lo, hi));
+      block_max = vmax(block_max, mask_and_store(s, base, j, lo, hi, seen));
     }
-    softmax_step_wide(block_max, j0, j1);
+    softmax_step_wide(block_max, j0, j1, seen);
   }
 
   // score_wide from bf16 keys: per pair of key elements, one vdpbf16ps for every row.
@@ -269,6 +276,7 @@ class ItemRunner {
       const int D = d();
       const vint lo = load_int(lo_), hi = load_int(hi_);
       const vfloat scale = splat(s_.scale);
+      const bool seen = seen_by_all(base, j0, j1);
       vfloat block_max = splat(kMasked);
       int j = j0;
       for (; j + 4 <= j1; j += 4) {
@@ -281,18 +289,18 @@ class ItemRunner {
           s2 = dot_bf16_pair(s2, qi, pair(kj + 2 * D + i));
           s3 = dot_bf16_pair(s3, qi, pair(kj + 3 * D + i));
         }
-        block_max = vmax(block_max, mask_and_store(s0 * scale, base, j, lo, hi));
-        block_max = vmax(block_max, mask_and_store(s1 * scale, base, j + 1, lo, hi));
-        block_max = vmax(block_max, mask_and_store(s2 * scale, base, j + 2, lo, hi));
-        block_max = vmax(block_max, mask_and_store(s3 * scale, base, j + 3, lo, hi));
+        block_max = vmax(block_max, mask_and_store(s0 * scale, base, j, lo, hi, seen));
+        block_max = vmax(block_max, mask_and_store(s1 * scale, base, j + 1, lo, hi, seen));
+        block_max = vmax(block_max, mask_and_store(s2 * scale, base, j + 2, lo, hi, seen));
+        block_max = vmax(block_max, mask_and_store(s3 * scale, base, j + 3, lo, hi, seen));
       }
       for (; j < j1; ++j) {
         const T* kj = k + static_cast<int64_t>(j) * D;
         vfloat s{};
         for (int i = 0; i < D; i += 2) s = dot_bf16_pair(s, qbits_.data() + i * kLanes, pair(kj + i));
-        block_max = vmax(block_max, mask_and_store(s * scale, base, j, lo, hi));
+        block_max = vmax(block_max, mask_and_store(s * scale, base, j, lo, hi, seen));
       }
-      softmax_step_wide(block_max, j0, j1);
+      softmax_step_wide(block_max, j0, j1, seen);
     }
   }
 
@@ -302,14 +310,19 @@ class ItemRunner {
     return b;
   }
 
-  // The online-softmax step of every row over the block's scores, for wide items.
-  void softmax_step_wide(vfloat block_max, int j0, int j1) {
+  // Whether every row sees keys [base + j0, base + j1): then nothing in the block is masked.
+  bool seen_by_all(int32_t base, int j0, int j1) const {
+    return base + j0 >= seen_by_all_lo_ && base + j1 - 1 <= seen_by_all_hi_;
+  }
+
+  // The online-softmax step of every row over the block's scores, for wide items (seen: none masked).
+  void softmax_step_wide(vfloat block_max, int j0, int j1, bool seen) {
     const vfloat old_max = load(max_), new_max = vmax(old_max, block_max);
     const vfloat alpha = exp_nonpos(old_max - new_max);
     vfloat sum = load(sum_) * alpha;
     for (int j = j0; j < j1; ++j) {
       const vfloat x = load(scores_.data() + j * kLanes);
-      const vfloat p = x == kMasked ? vfloat{} : exp_nonpos(x - new_max);
+      const vfloat p = seen ? exp_nonpos(x - new_max) : x == kMasked ? vfloat{} : exp_nonpos(x - new_max);
       sum += p;
       store(scores_.data() + j * kLanes, p);
     }
@@ -318,9 +331,11 @@ class ItemRunner {
     store(sum_, sum);
   }
 
-  vfloat mask_and_store(vfloat s, int32_t base, int j, vint lo, vint hi) {
-    const vint pos = splat_int(base + j);
-    s = (pos >= lo) & (pos <= hi) ? s : splat(kMasked);
+  vfloat mask_and_store(vfloat s, int32_t base, int j, vint lo, vint hi, bool seen) {
+    if (!seen) {
+      const vint pos = splat_int(base + j);
+      s = (pos >= lo) & (pos <= hi) ? s : splat(kMasked);
+    }
     store(scores_.data() + j * kLanes, s);
     return s;
   }
@@ -469,6 +484,7 @@ class ItemRunner {
   int rows_ = 0;
   bool wide_ = false;
   int32_t lo_[kLanes], hi_[kLanes];  // per row: first and last visible key position
+  int32_t seen_by_all_lo_ = 0, seen_by_all_hi_ = -1;  // the keys every row sees
   float max_[kLanes], sum_[kLanes], alpha_[kLanes];
 };
 
