@@ -120,11 +120,11 @@ def free_port() -> int:
 class EngineProcess:
     """One engine core: its `kvengine serve` subprocess, the DEALER to it and the KV event subscriber."""
 
-    def __init__(self, index: int, config: EngineConfig, tmpdir: str, ctx: zmq.Context) -> None:
+    def __init__(self, index: int, config: EngineConfig, tmpdir: str, ctx: zmq.Context, metrics: bool) -> None:
+        """metrics: serve Prometheus metrics on a private port, for the router's endpoint."""
         self.index = index
         self.address = f"ipc://{tmpdir}/engine-{index}.sock"
-        self.metrics_port = free_port() if config.server.metrics_port is not None or config.server.api_server_count \
-            else None
+        self.metrics_port = free_port() if metrics else None
         flags = config_to_flags(config) + ["--address", self.address, "--api-server-count", "0",
                                            "--kv-events-endpoint", f"ipc://{tmpdir}/kv-events-{index}.sock",
                                            "--kv-events-replay-endpoint", f"ipc://{tmpdir}/kv-replay-{index}.sock"]
@@ -254,7 +254,7 @@ class DataParallelServer:
             # The router enforces the per-client limit; each engine sees one client, the router.
             engine_config = with_settings(self.config, data_parallel_size=1, cpu_threads_bind=binds[i], address=None,
                                           max_client_requests=server.max_pending_requests, metrics_port=None)
-            self.engines.append(EngineProcess(i, engine_config, self.tmpdir, self.ctx))
+            self.engines.append(EngineProcess(i, engine_config, self.tmpdir, self.ctx, self._serves_metrics()))
         logger.info("Started %d engine cores (cpu threads bind: %s)", self.n, ", ".join(binds))
         return True
 
@@ -288,9 +288,13 @@ class DataParallelServer:
             self.api_servers.spawn(address, resolved_max_model_len(self.config), self.metrics_server.port)
         return True
 
+    def _serves_metrics(self) -> bool:
+        """For --metrics-port, and for the HTTP API's /metrics."""
+        return self.config.server.metrics_port is not None or self.config.server.api_server_count > 0
+
     def _start_metrics(self) -> None:
         server = self.config.server
-        if server.metrics_port is None and not server.api_server_count:
+        if not self._serves_metrics():
             return
         registry = CollectorRegistry()
         registry.register(EngineMetricsCollector(self.engines))

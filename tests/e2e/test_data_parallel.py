@@ -217,3 +217,19 @@ def test_the_http_api_and_metrics_sit_in_front_of_the_router(start_server):
     for port in (metrics_port, api.port):  # the router's endpoint, and the API's /metrics that fetches it
         assert wait_until(lambda p=port: prompt_tokens(
             urllib.request.urlopen(f"http://127.0.0.1:{p}/metrics", timeout=30).read().decode()) == {"0": 3, "1": 3})
+
+
+def test_metrics_port_alone_shows_each_engine(start_server):
+    from tests.e2e.test_observability import free_port
+
+    port = free_port()
+    server = start_server("-dp", "2", "--router-policy", "round-robin", "--metrics-port", str(port), *SMALL)
+    asyncio.run(server.wait_ready())
+    raw_generate(server.address, [[5, 6, 7], [8, 9, 10, 11]], GREEDY)  # one per engine
+
+    def engines_seen() -> set[str]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        return {line.split('engine="')[1].split('"')[0] for line in text.splitlines()
+                if line.startswith("kvengine:generation_tokens_total{") and not line.endswith(" 0.0")}
+
+    assert wait_until(lambda: engines_seen() == {"0", "1"})
