@@ -249,6 +249,11 @@ class DataParallelServer:
             except OSError as e:
                 logger.error("Start-up failed: cannot listen on http://%s:%d: %s", server.host, server.port, e)
                 return False
+        try:
+            self._start_metrics()
+        except OSError as e:
+            logger.error("Start-up failed: cannot open the metrics endpoint: %s", e)
+            return False
         binds = engine_cpu_binds(self.config, sorted(os.sched_getaffinity(0)))
         for i in range(self.n):
             # The router enforces the per-client limit; each engine sees one client, the router.
@@ -282,7 +287,6 @@ class DataParallelServer:
         address = self.client.address
         logger.info("kvengine ready: serving on %s (data parallel %d, router policy %s, tensor parallel %d)",
                     address, self.n, self.config.parallel.router_policy, self.config.parallel.tensor_parallel_size)
-        self._start_metrics()
         if self.api_servers is not None:
             assert self.metrics_server is not None
             self.api_servers.spawn(address, resolved_max_model_len(self.config), self.metrics_server.port)
@@ -293,6 +297,7 @@ class DataParallelServer:
         return self.config.server.metrics_port is not None or self.config.server.api_server_count > 0
 
     def _start_metrics(self) -> None:
+        """The router's metrics endpoint: it scrapes the engines' when scraped (raises OSError if it cannot bind)."""
         server = self.config.server
         if not self._serves_metrics():
             return
@@ -329,6 +334,7 @@ class DataParallelServer:
                     if engine.alive and engine.proc.poll() is not None and not self.stopping:
                         poller.unregister(engine.sock)
                         poller.unregister(engine.events.sub)
+                        self._read_outputs(engine)  # what it sent before it died still counts
                         self._engine_died(engine)
                 if not any(e.alive for e in self.engines):
                     logger.error("Every engine core has stopped; exiting")

@@ -233,3 +233,15 @@ def test_metrics_port_alone_shows_each_engine(start_server):
                 if line.startswith("kvengine:generation_tokens_total{") and not line.endswith(" 0.0")}
 
     assert wait_until(lambda: engines_seen() == {"0", "1"})
+
+
+def test_a_taken_metrics_port_fails_start_up_before_any_engine_starts(start_server):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = start_server("-dp", "2", "--metrics-port", str(taken.getsockname()[1]), *SMALL)
+        assert wait_exit(server.proc, 120) == 1
+    assert "Start-up failed: cannot open the metrics endpoint" in server.output()
+    assert "Started 2 engine cores" not in server.output() and "Traceback" not in server.output()
