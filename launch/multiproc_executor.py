@@ -111,18 +111,23 @@ class MultiprocExecutor:
     def check_health(self) -> None:
         """Raise WorkerFailedError if a worker has exited or a host has gone silent."""
         self._check_local()
-        while self.remote and self.sock.poll(0):  # idle: only heartbeats and errors are due
+        self._drain()
+        self._heartbeat()
+
+    def _drain(self, rank_errors: bool = True) -> None:
+        """Read what has arrived while no step runs: only heartbeats and errors are due then. rank_errors: raise
+        WorkerFailedError for a rank's WorkerError (always for a host's report)."""
+        while self.remote and self.sock.poll(0):
             frames = self.sock.recv_multipart()
             if frames[0] in self.remote:
                 self._from_host(frames)
                 continue
             with contextlib.suppress(ProtocolError):
                 msg = self.decoder.decode(frames[-1])
-                if isinstance(msg, WorkerError) and frames[0] in self.rank_of:
+                if isinstance(msg, WorkerError) and frames[0] in self.rank_of and rank_errors:
                     rank = self.rank_of[frames[0]]
                     raise WorkerFailedError(rank, f"failed: {msg.message}", self.host_of(rank))
             logger.error("Dropped a message from %r while no step runs", frames[0])
-        self._heartbeat()
 
     def _check_local(self) -> None:
         for rank, proc in enumerate(self.procs):
@@ -209,12 +214,21 @@ class MultiprocExecutor:
         return got
 
     def _name_the_dead(self) -> None:
-        """A rank that died often makes its peers fail in a collective: wait a little for its death (or its host's
-        report of it) to raise instead."""
-        deadline = time.monotonic() + (2 * HEARTBEAT_INTERVAL if self.remote else 0.2)
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
+        """A rank that died often makes its peers fail in a collective: wait a little for its death to raise instead
+        (on several hosts: its host's report of it, or the silence of a host that died with it)."""
+        if not self.remote:
+            time.sleep(0.2)
             self.check_health()
+            return
+        deadline = time.monotonic() + HEARTBEAT_TIMEOUT + 2 * HEARTBEAT_INTERVAL
+        while time.monotonic() < deadline:  # ranks that exit with an error may only have failed in a collective
+            time.sleep(0.05)
+            for rank, proc in enumerate(self.procs):
+                if proc.poll() is not None and proc.returncode < 0:
+                    raise WorkerFailedError(rank, f"died (exit code {proc.returncode})", self.host)
+            self._drain(rank_errors=False)
+            self._heartbeat()
+        self.check_health()
 
     def _send_all(self, msg: EngineToWorker) -> None:
         payload = self.encoder.encode(msg)

@@ -111,7 +111,7 @@ def test_each_hosts_kv_budget_is_logged_with_its_host_and_the_minimum_is_used(st
     assert "KV cache: 64 blocks" in log and "minimum across 2 rank(s)" in log, log
 
 
-@pytest.mark.parametrize("fault", ["kill_the_remote_worker", "cut_the_link"])
+@pytest.mark.parametrize("fault", ["kill_the_remote_worker", "kill_the_remote_host", "cut_the_link"])
 def test_a_lost_host_fails_in_flight_requests_and_every_process_exits(start_two_hosts, fault):
     server = start_two_hosts([*FP32, *SMALL], [*FP32, *SMALL])
     asyncio.run(server.wait_ready())
@@ -120,6 +120,8 @@ def test_a_lost_host_fails_in_flight_requests_and_every_process_exits(start_two_
     def act() -> None:
         if fault == "kill_the_remote_worker":
             os.kill(remote_worker, signal.SIGKILL)
+        elif fault == "kill_the_remote_host":  # its process and its worker at once: nobody there reports
+            server.other.kill_all()
         else:
             server.other.set_link("down")
 
@@ -132,7 +134,12 @@ def test_a_lost_host_fails_in_flight_requests_and_every_process_exits(start_two_
         assert "died (exit code -9)" in error, error
     else:
         assert "sent no heartbeat" in error, error
-    assert_both_exit(server, 1)
+    assert wait_exit(server.head_proc, 60) == 1, server.logs()
+    if fault == "kill_the_remote_host":
+        assert wait_exit(server.other_proc, 60) == -signal.SIGKILL
+    else:
+        assert wait_exit(server.other_proc, 60) == 1, server.logs()
+    assert server.head.pids() == [] and server.other.pids() == [], server.logs()
     if fault == "cut_the_link":  # the other host noticed the head's silence by itself
         assert "The head sent no heartbeat" in (server.tmp_path / "other.log").read_text(), server.logs()
 
