@@ -83,7 +83,8 @@ class HeadlessHost:
         while not self.stopping:
             now = time.monotonic()
             if now >= next_beat:
-                self._send(sock, NodeHeartbeat(self.node_rank, self.host))
+                self._send(sock, NodeHeartbeat(self.node_rank, self.host, self.config.parallel.tensor_parallel_size,
+                                               self.config.parallel.nnodes))
                 next_beat = now + HEARTBEAT_INTERVAL
             failed = self._failed_worker()
             if failed is not None:

@@ -168,6 +168,11 @@ class MultiprocExecutor:
         if isinstance(msg, NodeHeartbeat):
             if host.last_seen is None:
                 host.host = msg.host
+                if (msg.tensor_parallel_size, msg.nnodes) != (self.world_size, len(self.remote) + 1):
+                    raise WorkerFailedError(host.ranks[0], f"was started with tensor parallel size "
+                                            f"{msg.tensor_parallel_size} over {msg.nnodes} hosts, the head with "
+                                            f"{self.world_size} over {len(self.remote) + 1}: give every host the "
+                                            "same -tp and --nnodes", msg.host)
                 logger.info("Host %s (node %d, ranks %d-%d) joined", msg.host, host.node_rank, host.ranks[0],
                             host.ranks[-1])
             host.last_seen = time.monotonic()

@@ -200,6 +200,8 @@ class NodeHeartbeat(msgspec.Struct, tag=True, **_struct):
 
     node_rank: int
     host: str
+    tensor_parallel_size: int  # as this host was started: the head refuses a host that counts otherwise
+    nnodes: int
 
 
 WorkerToEngine = WorkerKVReport | WorkerReady | ModelRunnerOutput | WorkerError | NodeHeartbeat

@@ -89,7 +89,7 @@ def head():
 
 def test_a_host_that_falls_silent_is_named_with_its_ranks(head):
     executor, host = head
-    host.send(NodeHeartbeat(1, "b (10.0.0.2)"))  # one heartbeat, then silence
+    host.send(NodeHeartbeat(1, "b (10.0.0.2)", 2, 2))  # one heartbeat, then silence
     started = time.monotonic()
     with pytest.raises(WorkerFailedError, match=r"worker rank 1 on host b \(10.0.0.2\) is lost: its host sent no "
                                                 r"heartbeat for 3 s \(ranks 1-1; the host died or is cut off\)"):
@@ -104,9 +104,19 @@ def test_a_host_that_never_joined_is_waited_for(head):
         executor._recv(WorkerKVReport, {1}, deadline=time.monotonic() + HEARTBEAT_TIMEOUT + 1)
 
 
+@pytest.mark.parametrize("tp,nnodes", [(4, 2), (2, 1)])
+def test_a_host_started_with_another_parallel_layout_is_refused(head, tp, nnodes):
+    executor, host = head
+    host.send(NodeHeartbeat(1, "b", tp, nnodes))
+    with pytest.raises(WorkerFailedError, match=rf"worker rank 1 on host b was started with tensor parallel size {tp} "
+                                                rf"over {nnodes} hosts, the head with 2 over 2: give every host the "
+                                                "same -tp and --nnodes"):
+        executor.determine_available_memory()
+
+
 def test_a_hosts_report_of_a_dead_worker_fails_the_engine(head):
     executor, host = head
-    host.send(NodeHeartbeat(1, "b (10.0.0.2)"))
+    host.send(NodeHeartbeat(1, "b (10.0.0.2)", 2, 2))
     host.send(WorkerError(1, "died (exit code -9)"))
     with pytest.raises(WorkerFailedError, match=r"worker rank 1 on host b \(10.0.0.2\) died \(exit code -9\)"):
         executor.determine_available_memory()
@@ -114,7 +124,7 @@ def test_a_hosts_report_of_a_dead_worker_fails_the_engine(head):
 
 def test_an_idle_head_notices_a_silent_host_and_tells_hosts_why_it_stops(head):
     executor, host = head
-    host.send(NodeHeartbeat(1, "b"))
+    host.send(NodeHeartbeat(1, "b", 2, 2))
     assert wait_until(lambda: executor.check_health() is None and executor.remote[b"node1"].last_seen is not None)
     with pytest.raises(WorkerFailedError, match="is lost"):
         wait_until(lambda: executor.check_health(), seconds=30)  # None until it raises
@@ -173,7 +183,7 @@ def headless(tmp_path):
 def test_the_headless_host_follows_the_head(headless, head_does):
     head, proc, log = headless
     beat = head.recv_heartbeat()
-    assert (beat.node_rank, beat.host) == (1, f"{socket.gethostname()} (127.0.0.1)")
+    assert beat == NodeHeartbeat(1, f"{socket.gethostname()} (127.0.0.1)", 2, 2)
     assert wait_until(lambda: len(processes_in_group(proc.pid)) == 2)  # itself and rank 1's worker
     for _ in range(4):
         head.send(EngineHeartbeat())

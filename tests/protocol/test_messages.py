@@ -183,7 +183,7 @@ SAMPLES = [
     ("worker_to_engine", "runner-output", ModelRunnerOutput(7, ["a", "prefill-chunk", "b"], [[42], [], [1, 2]])),
     ("worker_to_engine", "runner-output-empty", ModelRunnerOutput(0, [], [])),
     ("worker_to_engine", "worker-error", WorkerError(rank=0, message="CUDA out of memory")),
-    ("worker_to_engine", "node-heartbeat", NodeHeartbeat(node_rank=1, host="b (10.0.0.2)")),
+    ("worker_to_engine", "node-heartbeat", NodeHeartbeat(node_rank=1, host="b (10.0.0.2)", tensor_parallel_size=4, nnodes=2)),
     ("worker_to_engine", "kv-report-with-host", kv_report(rank=2, available_kv_bytes=1 << 20, kv_cache_specs={},
                                                           eos_token_ids=[2], max_position_embeddings=64, host="b")),
     # ---- KV events
