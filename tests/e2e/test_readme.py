@@ -256,6 +256,9 @@ RULES: dict[str, Callable[[str, Context], None] | str] = {
     r"kvengine bench$": run_bench,
     r"```text\n client\(s\)": "a diagram",
     r"kvengine serve --address ": run_readme_server,
+    r"kvengine serve -dp 2 ": run_readme_server,
+    r"python bench/dp_trace.py": "replays the whole trace six times (about 20 minutes); tests/launch/test_simulate_dp.py "
+                                 "runs the DP replay, and the kvengine simulate -dp line here runs",
     r"kvengine serve --model \S+ --device cuda": "needs CUDA GPUs and a local ./Qwen2-0.5B folder",
     r'kvengine serve --model "\$GGUF"': run_gguf_serve,
     r"INFO ": "start-up log output, not a command",
