@@ -11,6 +11,7 @@ Figures depend on the machine and on what else runs there; the numbers are print
 import argparse
 import gc
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -157,7 +158,8 @@ def bench_prefix(name: str, folder, device, repeats: int = 3) -> list[list]:
 
 def bench_step(name: str, folder, device, batch: int = 64, prompt_len: int = 256, steps: int = 32) -> list[list]:
     """Worker.execute_model of decode steps at `batch` requests (prompts of prompt_len, prefilled first): the
-    median step, including the runner's inputs, metadata, forward and sampling, not the scheduler."""
+    median step, including the runner's inputs, metadata, forward and sampling, not the scheduler. Wall time, and
+    the thread's CPU time (with --threads 1 all of the step's work, and less moved by other processes)."""
     from tests.worker.harness import Driver, kv_config
     from worker.worker import Worker
 
@@ -168,14 +170,16 @@ def bench_step(name: str, folder, device, batch: int = 64, prompt_len: int = 256
     cfg = kv_config(w, batch * -(-(prompt_len + steps + 16) // 16) + 1)
     w.init_kv_cache(cfg)
     times: list[float] = []
+    cpu_times: list[float] = []
     execute = w.execute_model
 
     def timed(so):
         if device == "cuda":
             torch.cuda.synchronize()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         out = execute(so)
         times.append(time.perf_counter() - t)
+        cpu_times.append(time.thread_time() - c)
         return out
 
     w.execute_model = timed
@@ -185,7 +189,8 @@ def bench_step(name: str, folder, device, batch: int = 64, prompt_len: int = 256
     decode = sorted(times[1:-1])  # not the prefill, not the last (empty) step
     progress(f"{name}: decode steps (ms): {' '.join(f'{t * 1e3:.1f}' for t in times[1:-1])}")
     return [[name, batch, str(w.dtype).removeprefix("torch."), w.runner.attention_backend,
-             f"{decode[len(decode) // 2] * 1e3:.2f}", f"{decode[0] * 1e3:.2f}"]]
+             f"{decode[len(decode) // 2] * 1e3:.2f}", f"{decode[0] * 1e3:.2f}",
+             f"{statistics.median(cpu_times[1:-1]) * 1e3:.2f}"]]
 
 
 # ---- paged attention vs SDPA on contiguous K/V ---------------------------------------------------
@@ -300,7 +305,7 @@ def main() -> None:
             rows = [r for name, f in folders.items() for r in bench_step(name, f, args.device)]
             table(
                 "worker decode step (execute_model), 64 requests of 256 + 1..32 tokens",
-                ["model", "batch", "dtype", "attention", "median ms", "best ms"],
+                ["model", "batch", "dtype", "attention", "median ms", "best ms", "median CPU ms"],
                 rows,
             )
         if "throughput" in parts:

@@ -1,7 +1,7 @@
 """Per KV cache group block tables: int32 [max_num_reqs, max_num_blocks_per_req], rows reused.
 
-Changes go to a host copy (numpy, no tensor per change); on CUDA it is pinned, and `commit` copies it to the
-device table once per step, before the step reads it.
+Changes go to a host copy (numpy, no tensor per change); on CUDA it is pinned, and `commit` copies the rows
+that changed (the span from the first to the last) to the device table once per step, before the step reads it.
 """
 
 import torch
@@ -21,20 +21,20 @@ class BlockTable:
         self.np = self.host.numpy()
         self.table = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
         self.num_blocks = [0] * max_num_reqs
-        self.changed = False
+        self.changed = range(0)  # rows the device table has yet to receive
 
     def overwrite(self, row: int, block_ids: list[int]) -> None:
         self._check_room(row, len(block_ids))
         self.np[row, : len(block_ids)] = block_ids
         self.num_blocks[row] = len(block_ids)
-        self.changed = True
+        self._changed(row)
 
     def append(self, row: int, block_ids: list[int]) -> None:
         n = self.num_blocks[row]
         self._check_room(row, n + len(block_ids))
         self.np[row, n : n + len(block_ids)] = block_ids
         self.num_blocks[row] = n + len(block_ids)
-        self.changed = True
+        self._changed(row)
 
     def clear(self, row: int) -> None:
         self.num_blocks[row] = 0
@@ -47,13 +47,18 @@ class BlockTable:
         n = min(num_skipped_blocks, self.num_blocks[row])
         if self.np[row, :n].any():
             self.np[row, :n] = 0
-            self.changed = True
+            self._changed(row)
+
+    def _changed(self, row: int) -> None:
+        c = self.changed
+        self.changed = range(min(row, c.start), max(row + 1, c.stop)) if c else range(row, row + 1)
 
     def commit(self) -> None:
-        """Copy the host table's changes to the device (without waiting); the CPU table is the host table."""
+        """Copy the changed rows to the device (without waiting); on the CPU the host table is the table."""
         if self.changed and self.table is not self.host:
-            self.table.copy_(self.host, non_blocking=True)
-        self.changed = False
+            rows = slice(self.changed.start, self.changed.stop)
+            self.table[rows].copy_(self.host[rows], non_blocking=True)
+        self.changed = range(0)
 
     def _check_room(self, row: int, n: int) -> None:
         if n > self.table.shape[1]:

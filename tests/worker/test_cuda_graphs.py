@@ -146,3 +146,8 @@ def test_block_tables_change_on_the_host_without_tensors_per_change(folder):
     assert table.table is table.host  # on the CPU the host table is the one the kernels read
     Driver(w, cfg).run(prompts([40]), 3)
     assert isinstance(table.np, np.ndarray) and not table.changed  # committed by the step
+    table.overwrite(7, [5, 6])
+    table.append(3, [9])
+    assert table.changed == range(3, 8)  # on CUDA, the span of rows copied to the device at the next commit
+    table.commit()
+    assert not table.changed and table.block_ids(7) == [5, 6]
