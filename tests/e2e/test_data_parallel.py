@@ -121,9 +121,16 @@ def test_a_second_wave_of_shared_prefixes_goes_to_their_holders_under_prefix_onl
     if policy == "prefix":
         assert second == [4 * BLOCK] * 3
         assert hits == [2 * 4 * BLOCK, 4 * BLOCK]  # prefixes 0 and 2 on engine 0, prefix 1 on engine 1
+        assert asyncio.run(reset(server.address)) is True  # goes to every engine: none has a prefix left
+        assert run_wave(3) == [0, 0, 0]
     else:
         assert second == [0, 0, 0]
         assert hits == [0, 0]
+
+
+async def reset(address: str) -> bool:
+    async with AsyncEngineClient(address) as client:
+        return await client.reset_prefix_cache()
 
 
 def engine_pids(server: ServerProcess) -> dict[int, int]:
