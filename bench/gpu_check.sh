@@ -98,7 +98,7 @@ part "greedy parity with transformers on $DEVICE: the torch path (float32)" 90 \
     "${PYTEST[@]}" tests/worker/test_worker_parity.py -k "ragged or chunked or padded_steps or second_wave"
 part "greedy parity on $DEVICE: Triton kernel, CUDA graphs vs --enforce-eager (float32), bf16 logits" 90 \
     "${PYTEST[@]}" -rs tests/worker/test_cuda_graphs_gpu.py
-part "Triton kernel compiled for $DEVICE vs the torch path and dense attention" 60 \
+part "Triton kernel compiled for $DEVICE vs the torch path and dense attention" 90 \
     "${PYTEST[@]}" -rs tests/worker/test_triton_attention_gpu.py
 
 echo
