@@ -116,11 +116,15 @@ def test_swapping_two_block_ids_changes_the_output():
     torch.testing.assert_close(before[:1], after[:1], rtol=0, atol=0)  # request 0 is untouched
 
 
-def test_the_backend_builds_the_cpu_kernels_metadata():
+def test_the_backend_builds_the_cpu_kernels_metadata_from_the_step_buffers():
+    from worker.input_buffers import StepBuffers
+
     table = torch.randint(1, 50, (4, 20), dtype=torch.int32)
-    reqs = step_requests([(5, 3), (40, 1), (0, 9)])
-    reqs.rows = torch.tensor([2, 0, 3])
-    meta = TritonAttention(16).metadata(table, 24, reqs)
+    plan = [(5, 3), (40, 1), (0, 9)]
+    buf = StepBuffers(64, 4, 20, 1, torch.device("cpu"))
+    reqs = buf.fill(list(range(13)), [2, 0, 3], [c for c, _ in plan], [n for _, n in plan], 13, 0)
+    rows = buf.gather_block_tables([table], reqs.rows, 3, 0, pad_block=0)[0]
+    meta = TritonAttention(16).metadata(rows, 24, reqs)
     assert meta.max_query_len == 9 and meta.window == 24
     assert meta.query_start_loc.tolist() == [0, 3, 4, 13] and meta.seq_lens.tolist() == [8, 41, 9]
     assert torch.equal(meta.block_table, table[[2, 0, 3], :3])

@@ -3,6 +3,7 @@ fp64 attention, on the mixed batches of the interpreter tests. Skipped without C
 (in its own pytest run: test_triton_attention.py sets TRITON_INTERPRET=1 for the whole process)."""
 
 import dataclasses
+import importlib.util
 import os
 
 import pytest
@@ -11,9 +12,13 @@ import torch
 from tests.worker.test_cpu_attention_kernel import MIXED, Batch, make_batch
 from worker.attention import GatherBuffer, StepRequests, build_metadata, paged_attention
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-                                reason="needs a CUDA device, without TRITON_INTERPRET (bench/gpu_check.sh)")
-pytest.importorskip("triton", reason="triton is an optional extra: pip install 'kvengine[cuda]'")
+# triton is imported only inside the tests: test_triton_attention.py must set TRITON_INTERPRET before its first import
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                       reason="needs a CUDA device, without TRITON_INTERPRET (bench/gpu_check.sh)"),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                       reason="triton is an optional extra: pip install 'kvengine[cuda]'"),
+]
 
 HALF_TOL = 2e-2  # bf16 / fp16 inputs and output, fp32 accumulation: against dense fp64 attention
 
