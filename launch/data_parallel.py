@@ -40,6 +40,7 @@ from engine_core.client_router import ClientRouter
 from engine_core.metrics import MetricsServer
 from engine_core.routing import Router
 from launch.api_server.launcher import ApiServers
+from launch.client_endpoints import open_client_endpoints
 from launch.config_args import config_to_flags
 from launch.kv_event_subscriber import KVEventSubscriber
 from launch.local_server import die_with_parent
@@ -230,25 +231,10 @@ class DataParallelServer:
             self._close()
 
     def _start(self) -> bool:
-        from launch.commands.serve import ipc_path_taken  # serve dispatches here: import it late, not in a cycle
-
-        server = self.config.server
-        address = server.client_address() or f"ipc://{self.tmpdir}/engine.sock"
-        taken = ipc_path_taken(address)
-        if taken is not None:
-            logger.error("Start-up failed: %s", taken)
+        endpoints = open_client_endpoints(self.ctx, self.config, self.tmpdir)
+        if endpoints is None:
             return False
-        try:
-            self.client = ClientRouter(self.ctx, address, server.max_pending_requests, server.max_client_requests)
-        except zmq.ZMQError as e:
-            logger.error("Start-up failed: cannot listen on %s: %s", address, e)
-            return False
-        if server.api_server_count:
-            try:
-                self.api_servers = ApiServers(self.config)
-            except OSError as e:
-                logger.error("Start-up failed: cannot listen on http://%s:%d: %s", server.host, server.port, e)
-                return False
+        self.client, self.api_servers = endpoints
         try:
             self._start_metrics()
         except OSError as e:
@@ -258,7 +244,7 @@ class DataParallelServer:
         for i in range(self.n):
             # The router enforces the per-client limit; each engine sees one client, the router.
             engine_config = with_settings(self.config, data_parallel_size=1, cpu_threads_bind=binds[i], address=None,
-                                          max_client_requests=server.max_pending_requests, metrics_port=None)
+                                          max_client_requests=self.config.server.max_pending_requests, metrics_port=None)
             self.engines.append(EngineProcess(i, engine_config, self.tmpdir, self.ctx, self._serves_metrics()))
         logger.info("Started %d engine cores (cpu threads bind: %s)", self.n, ", ".join(binds))
         return True

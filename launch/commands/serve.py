@@ -8,11 +8,8 @@ the private socket folder, spawning the workers, and turning start-up errors int
 import argparse
 import gc
 import logging
-import os
 import shutil
 import signal
-import socket
-import stat
 import tempfile
 from pathlib import Path
 
@@ -25,6 +22,7 @@ from engine_core.kv_cache.planning import KVCacheSizingError
 from engine_core.kv_event_publisher import KVEventPublisher
 from engine_core.metrics import EngineMetrics
 from launch.api_server.launcher import ApiServers
+from launch.client_endpoints import open_client_endpoints
 from launch.config_args import add_config_args, config_from_args
 from launch.headless import HeadlessHost
 from launch.hosts import host_label
@@ -63,29 +61,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if config.parallel.headless:
         return HeadlessHost(config).run()
     return EngineServer(config).run()
-
-
-def ipc_path_taken(address: str) -> str | None:
-    """Why an ipc:// address must not be bound, or None. Binding replaces the file, which would orphan a live
-    server there; a file no server answers on is stale and removed."""
-    path = address.removeprefix("ipc://")
-    if not address.startswith("ipc://") or path.startswith("@") or not os.path.lexists(path):
-        return None  # not a file (tcp://, an abstract socket) or nothing there
-    if not stat.S_ISSOCK(os.lstat(path).st_mode):
-        return f"{path} exists and is not a socket"
-    with socket.socket(socket.AF_UNIX) as probe:
-        probe.settimeout(10)
-        try:
-            probe.connect(path)
-        except FileNotFoundError:
-            return None
-        except ConnectionRefusedError:
-            Path(path).unlink(missing_ok=True)
-            logger.info("Removed a stale socket file %s (no server answered there)", path)
-            return None
-        except OSError as e:
-            return f"cannot tell whether a server listens on {address}: {e}"
-    return f"a server is already listening on {address}; stop it or choose another --address"
 
 
 class Interrupted(Exception):
@@ -137,23 +112,11 @@ class EngineServer:
 
     def _start(self) -> EngineLoop | None:
         """Sockets, observers, workers and the engine core; None (after one log line) if start-up failed."""
-        server = self.config.server
-        address = server.client_address() or f"ipc://{self.tmpdir}/engine.sock"
-        taken = ipc_path_taken(address)
-        if taken is not None:
-            logger.error("Start-up failed: %s", taken)
+        endpoints = open_client_endpoints(self.ctx, self.config, self.tmpdir)
+        if endpoints is None:
             return None
-        try:
-            self.router = ClientRouter(self.ctx, address, server.max_pending_requests, server.max_client_requests)
-        except zmq.ZMQError as e:
-            logger.error("Start-up failed: cannot listen on %s: %s", address, e)
-            return None
-        if server.api_server_count:
-            try:
-                self.api_servers = ApiServers(self.config)
-            except OSError as e:
-                logger.error("Start-up failed: cannot listen on http://%s:%d: %s", server.host, server.port, e)
-                return None
+        self.router, self.api_servers = endpoints
+        address = self.router.address
         try:
             self._start_observers()
         except (OSError, zmq.ZMQError) as e:
