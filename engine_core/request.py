@@ -1,10 +1,13 @@
 """A request as the engine core tracks it: tokens, progress, status and block hashes."""
 
 import enum
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from protocol import SamplingParams
 from protocol.messages import FinishReason
+
+if TYPE_CHECKING:
+    from engine_core.kv_cache.hashing import RequestBlockHasher
 
 
 class RequestStatus(enum.IntEnum):
@@ -39,7 +42,7 @@ class Request:
         arrival_time: float = 0.0,
         cache_salt: str | None = None,
         priority: int = 0,
-        block_hasher: "Callable[[Request], list[bytes]] | None" = None,
+        block_hasher: "RequestBlockHasher | None" = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -75,8 +78,10 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
-        if self._block_hasher is not None:
-            self.block_hashes.extend(self._block_hasher(self))
+        hasher = self._block_hasher
+        # Most decode steps fill no block: the hasher is called only once one is full.
+        if hasher is not None and len(self.all_token_ids) >= (len(self.block_hashes) + 1) * hasher.block_size:
+            self.block_hashes.extend(hasher(self))
 
     def __lt__(self, other: "Request") -> bool:
         """Order of the priority policy: lower priority value first, then earlier arrival."""

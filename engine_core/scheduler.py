@@ -143,14 +143,20 @@ class Scheduler:
         scheduled_new: list[Request] = []
         preempted: list[Request] = []
 
+        running = self.running  # changed in place by preemption
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        threshold = self.config.long_prefill_token_threshold
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new_tokens = min(self._cap_long_prefill(request.num_tokens - request.num_computed_tokens), budget)
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_new_tokens = len(request.all_token_ids) - request.num_computed_tokens  # _cap_long_prefill, inline
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            num_new_tokens = min(num_new_tokens, budget)
             if num_new_tokens <= 0:
                 i += 1
                 continue
-            blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            blocks = allocate_slots(request, num_new_tokens)
             while blocks is None:
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:  # priority policy may pick one already passed
@@ -240,13 +246,19 @@ class Scheduler:
             )
             for r in scheduled_new
         ]
-        cached = CachedRequestData(
-            req_ids=[r.request_id for r in scheduled_running],
-            new_block_ids=[
-                ids if any(ids) else None for ids in (new_blocks[r.request_id].get_block_ids() for r in scheduled_running)
-            ],
-            num_computed_tokens=[r.num_computed_tokens for r in scheduled_running],
-        )
+        req_ids: list[str] = []
+        new_block_ids: list[list[list[int]] | None] = []
+        num_computed: list[int] = []
+        for r in scheduled_running:
+            rid = r.request_id
+            blocks = new_blocks[rid].blocks
+            req_ids.append(rid)
+            new_block_ids.append([[b.block_id for b in group] for group in blocks] if any(blocks) else None)
+            num_computed.append(r.num_computed_tokens)
+            r.num_computed_tokens += num_scheduled_tokens[rid]  # tokens count as computed once scheduled
+        for r in scheduled_new:
+            r.num_computed_tokens += num_scheduled_tokens[r.request_id]
+        cached = CachedRequestData(req_ids=req_ids, new_block_ids=new_block_ids, num_computed_tokens=num_computed)
         digests = None
         if self.config.check_block_tables:
             digests = {rid: block_ids_digest(manager.get_block_ids(rid)) for rid in num_scheduled_tokens}
@@ -255,8 +267,6 @@ class Scheduler:
         if total or self.finished_req_ids or preempted:  # workers must hear of these even in a step with no tokens
             self.step += 1
             finished, self.finished_req_ids = sorted(self.finished_req_ids), set()
-        for r in scheduled_new + scheduled_running:  # tokens count as computed once scheduled
-            r.num_computed_tokens += num_scheduled_tokens[r.request_id]
         return SchedulerOutput(
             step=self.step,
             scheduled_new_reqs=new_reqs,
@@ -274,15 +284,16 @@ class Scheduler:
         """Append sampled tokens, finish requests that are done, and say what each client gets."""
         sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=False))
         logprobs = dict(zip(model_runner_output.req_ids, model_runner_output.logprobs or [], strict=False))
+        requests, running_status = self.requests, RequestStatus.RUNNING
         outputs = []
         for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = requests.get(req_id)
+            if request is None or request.status != running_status:
                 continue  # aborted or preempted while the step ran
             token_ids = sampled.get(req_id)
             if not token_ids:
                 continue  # a prefill chunk: nothing sampled yet
-            if request.num_output_tokens == 0:
+            if not request.output_token_ids:
                 self.num_prompt_tokens += request.num_prompt_tokens
             new_token_ids, status = self._append_tokens(request, token_ids)
             self.num_generation_tokens += len(new_token_ids)
@@ -291,20 +302,34 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request, status)
                 reason = FINISH_REASON[status]
-            token_logprobs = logprobs.get(req_id)
-            outputs.append(EngineCoreOutput(req_id, new_token_ids, reason, request.num_cached_tokens,
-                                            logprobs=None if token_logprobs is None else [token_logprobs]))
+            token_logprobs = logprobs.get(req_id) if logprobs else None
+            outputs.append(EngineCoreOutput(req_id, new_token_ids, reason, request.num_cached_tokens, None,
+                                            None if token_logprobs is None else [token_logprobs]))
         return outputs
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> tuple[list[int], RequestStatus | None]:
+        """The tokens up to the first that finishes the request, appended in one call (one hashing pass)."""
         params = request.sampling_params
-        for n, token in enumerate(token_ids, 1):
-            request.append_output_token_ids([token])
-            if token in request.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-                return token_ids[:n], RequestStatus.FINISHED_STOPPED
-            if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-                return token_ids[:n], RequestStatus.FINISHED_LENGTH_CAPPED
-        return token_ids, None
+        stop_ids = request.stop_token_ids
+        eos_ids = () if params.ignore_eos else self.eos_token_ids
+        # The n-th token (from 1) reaches max_tokens or max_model_len when n >= limit.
+        limit = min(params.max_tokens - len(request.output_token_ids), self.max_model_len - len(request.all_token_ids))
+        status = None
+        n = 0
+        for token in token_ids:
+            n += 1
+            if token in stop_ids or token in eos_ids:
+                status = RequestStatus.FINISHED_STOPPED
+                break
+            if n >= limit:
+                status = RequestStatus.FINISHED_LENGTH_CAPPED
+                break
+        if status is None:
+            request.append_output_token_ids(token_ids)
+            return token_ids, None
+        new_token_ids = token_ids[:n]
+        request.append_output_token_ids(new_token_ids)
+        return new_token_ids, status
 
     def make_stats(self) -> SchedulerStats:
         """O(running requests): cheap enough for a snapshot several times a second on a large pool."""

@@ -59,10 +59,15 @@ def block_extra_keys(request: "Request", block_index: int) -> tuple | None:
     return (request.cache_salt,) if block_index == 0 and request.cache_salt else None
 
 
-def get_request_block_hasher(block_size: int, hash_fn: HashFn) -> "Callable[[Request], list[BlockHash]]":
-    """Returns a function that hashes the request's full blocks it has not hashed yet."""
+class RequestBlockHasher:
+    """Hashes the request's full blocks it has not hashed yet; block_size tells a caller when one is due."""
 
-    def hash_new_blocks(request: "Request") -> list[BlockHash]:
+    def __init__(self, block_size: int, hash_fn: HashFn) -> None:
+        self.block_size = block_size
+        self.hash_fn = hash_fn
+
+    def __call__(self, request: "Request") -> list[BlockHash]:
+        block_size = self.block_size
         start = len(request.block_hashes)
         end = request.num_tokens // block_size
         parent = request.block_hashes[-1] if start else None
@@ -70,8 +75,10 @@ def get_request_block_hasher(block_size: int, hash_fn: HashFn) -> "Callable[[Req
         tokens = request.all_token_ids
         for i in range(start, end):
             block_tokens = tokens[i * block_size : (i + 1) * block_size]
-            parent = hash_block_tokens(hash_fn, parent, block_tokens, block_extra_keys(request, i))
+            parent = hash_block_tokens(self.hash_fn, parent, block_tokens, block_extra_keys(request, i))
             new.append(parent)
         return new
 
-    return hash_new_blocks
+
+def get_request_block_hasher(block_size: int, hash_fn: HashFn) -> RequestBlockHasher:
+    return RequestBlockHasher(block_size, hash_fn)

@@ -56,6 +56,7 @@ class KVCacheManager:
         groups = kv_cache_config.kv_cache_groups
         self.hash_block_size = groups[0].kv_cache_spec.block_size if groups else 0
         self._no_blocks: tuple[list[KVCacheBlock], ...] = tuple([] for _ in range(self.num_kv_cache_groups))
+        self._no_new_blocks = KVCacheBlocks(self._no_blocks)  # most decode steps' answer, built once
         managers = self.coordinator.single_type_managers
         self._full_only = managers[0] if len(managers) == 1 and isinstance(managers[0], FullAttentionManager) else None
 
@@ -105,7 +106,7 @@ class KVCacheManager:
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError(f"allocate_slots for {request.request_id} with no new and no computed tokens")
         if new_computed_blocks is None and self._fits_in_held_blocks(request, num_new_tokens, num_lookahead_tokens):
-            return KVCacheBlocks(self._no_blocks)
+            return self._no_new_blocks
         if self.enable_caching:
             self._check_block_hashes(request)
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else self._no_blocks
@@ -153,11 +154,15 @@ class KVCacheManager:
         blocks = manager.req_to_blocks.get(request.request_id)
         if blocks is None:
             return False
+        block_size = manager.block_size
         end = request.num_computed_tokens + num_new_tokens
-        if end + num_lookahead_tokens > len(blocks) * manager.block_size:
+        if end + num_lookahead_tokens > len(blocks) * block_size:
             return False
-        num_full = min(end, request.num_tokens) // manager.block_size
-        return not self.enable_caching or num_full <= manager.num_cached_block.get(request.request_id, 0)
+        if not self.enable_caching:
+            return True
+        num_tokens = len(request.all_token_ids)
+        num_full = min(num_tokens, end) // block_size
+        return num_full <= manager.num_cached_block.get(request.request_id, 0)
 
     def _check_block_hashes(self, request: Request) -> None:
         """Hashes made at another block size would register blocks under keys of other token spans
