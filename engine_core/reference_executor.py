@@ -60,40 +60,42 @@ class ReferenceExecutor:
         self.kv_cache_config = kv_cache_config
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        token_ids, num_computed_tokens, block_tables = self.token_ids, self.num_computed_tokens, self.block_tables
         for req_id in [*so.finished_req_ids, *so.preempted_req_ids]:
-            self.token_ids.pop(req_id, None)
-            self.num_computed_tokens.pop(req_id, None)
-            self.block_tables.pop(req_id, None)
+            token_ids.pop(req_id, None)
+            num_computed_tokens.pop(req_id, None)
+            block_tables.pop(req_id, None)
         for new in so.scheduled_new_reqs:
-            self.token_ids[new.req_id] = [*new.prompt_token_ids, *new.output_token_ids]
-            self.block_tables[new.req_id] = [list(group) for group in new.block_ids]
-            self.num_computed_tokens[new.req_id] = new.num_computed_tokens
+            token_ids[new.req_id] = [*new.prompt_token_ids, *new.output_token_ids]
+            block_tables[new.req_id] = [list(group) for group in new.block_ids]
+            num_computed_tokens[new.req_id] = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
         columns = zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True)
         for req_id, new_ids, computed in columns:
-            if computed != self.num_computed_tokens[req_id]:
+            if computed != num_computed_tokens[req_id]:
                 raise RuntimeError(f"{req_id}: engine says {computed} computed tokens, executor has "
-                                   f"{self.num_computed_tokens[req_id]}")
+                                   f"{num_computed_tokens[req_id]}")
             if new_ids is not None:
-                for table, ids in zip(self.block_tables[req_id], new_ids, strict=True):
+                for table, ids in zip(block_tables[req_id], new_ids, strict=True):
                     table.extend(ids)
         self._null_out_of_window(so)
         if so.block_table_digests is not None:
             for req_id, digest in so.block_table_digests.items():
-                if block_ids_digest(self.block_tables[req_id]) != digest:
+                if block_ids_digest(block_tables[req_id]) != digest:
                     raise RuntimeError(f"block table of {req_id} differs from the ledger at step {so.step}")
-        req_ids: list[str] = []
+        vocab_size = self.vocab_size
         sampled: list[list[int]] = []
         for req_id, num_tokens in so.num_scheduled_tokens.items():
-            tokens = self.token_ids[req_id]
-            self.num_computed_tokens[req_id] += num_tokens
-            new_tokens = []
-            if self.num_computed_tokens[req_id] == len(tokens):
-                new_tokens = [reference_next_token(tokens, self.vocab_size)]
-                tokens.extend(new_tokens)
-            req_ids.append(req_id)
-            sampled.append(new_tokens)
-        return ModelRunnerOutput(step=so.step, req_ids=req_ids, sampled_token_ids=sampled)
+            tokens = token_ids[req_id]
+            computed = num_computed_tokens[req_id] + num_tokens
+            num_computed_tokens[req_id] = computed
+            if computed == len(tokens):
+                token = reference_next_token(tokens, vocab_size)
+                tokens.append(token)
+                sampled.append([token])
+            else:
+                sampled.append([])
+        return ModelRunnerOutput(step=so.step, req_ids=list(so.num_scheduled_tokens), sampled_token_ids=sampled)
 
     def _null_out_of_window(self, so: SchedulerOutput) -> None:
         """As a worker does: blocks wholly before a sliding window hold the null block, as in the ledger.
