@@ -3,8 +3,11 @@
 The workers here run the real worker socket protocol but execute each SchedulerOutput with the
 model-free ReferenceExecutor. Each configuration is compared, in the same run, with a bare ZeroMQ
 round trip of the same bytes (the encoded SchedulerOutput to every rank, the ModelRunnerOutput back).
+Beside the wall time of a step it prints the CPU time the engine-core thread and rank 0's worker
+spent on it (less moved by other processes on a shared machine), and with --breakdown the parts
+of one step in one process: schedule(), the executor, update_from_output() and the msgspec codecs.
 
-    python bench/ipc_bench.py [--running 256] [--steps 300] [--tp 1 2 4]
+    python bench/ipc_bench.py [--running 256] [--steps 300] [--tp 1 2 4] [--breakdown]
 """
 
 import argparse
@@ -36,6 +39,7 @@ from protocol import (  # noqa: E402
 from protocol.codec import engine_to_worker_codec, worker_to_engine_codec  # noqa: E402
 
 SPEC = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype_bytes=2)
+WORKER_CPU_FILE = "IPC_BENCH_WORKER_CPU"  # environment: where rank 0 writes its CPU microseconds per step
 
 
 def instant_worker(config: WorkerConfig) -> None:
@@ -48,49 +52,106 @@ def instant_worker(config: WorkerConfig) -> None:
     executor = ReferenceExecutor(available_kv_bytes=[config.engine.kv_cache_memory_bytes_of(config.rank)], kv_cache_specs={"l0": SPEC})
     report = executor.determine_available_memory()[0]
     sock.send(to_engine.encode(msgspec.structs.replace(report, rank=config.rank)))
+    cpu_us = []
     while True:
-        msg = from_engine.decode(sock.recv())
+        frame = sock.recv()
+        start = time.thread_time()
+        msg = from_engine.decode(frame)
         if isinstance(msg, SchedulerOutput):
             out = executor.execute_model(msg)
             if config.rank == 0:
                 sock.send(to_engine.encode(out))
+            cpu_us.append((time.thread_time() - start) * 1e6)
         elif isinstance(msg, InitKVCache):
             executor.initialize_kv_cache(msg.kv_cache_config)
             sock.send(to_engine.encode(WorkerReady(config.rank, msg.kv_cache_config.num_blocks)))
         elif isinstance(msg, Shutdown):
             break
+    if config.rank == 0 and os.environ.get(WORKER_CPU_FILE):
+        with open(os.environ[WORKER_CPU_FILE], "wb") as f:
+            f.write(msgspec.msgpack.encode(cpu_us))
     sock.close()
     ctx.term()
 
 
-def engine_steps(tp: int, running: int, steps: int, tmpdir: str) -> tuple[list[float], int, int]:
-    """Microseconds per EngineCore.step() with `running` requests decoding; also message sizes."""
-    ctx = zmq.Context()
-    address = f"ipc://{tmpdir}/workers-{tp}.sock"
-    blocks = running * 80
-    config = engine_config(max_model_len=4096, max_num_seqs=running, max_num_batched_tokens=8192,
-                           tensor_parallel_size=tp, kv_cache_memory_bytes=[blocks * SPEC.page_size_bytes])
-    configs = worker_configs(config, address, "")
-    executor = MultiprocExecutor(ctx, address, configs, entry=(sys.executable, os.path.abspath(__file__), "--worker"))
+def decoding_core(config, executor, running: int, steps: int) -> EngineCore:
+    """An EngineCore with `running` requests of 200-token prompts, all prefilled and decoding."""
     core = EngineCore(config, executor)
     params = SamplingParams(max_tokens=steps + 200, temperature=0.0, ignore_eos=True)
     for i in range(running):
         core.add_request(EngineCoreRequest(f"r{i}", [(i * 7 + j) % 1000 for j in range(200)], params, 0.0))
     while core.scheduler.waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
         core.step()  # prefill everything first: only decode steps are timed
+    return core
+
+
+def bench_config(tp: int, running: int):
+    blocks = running * 80
+    return engine_config(max_model_len=4096, max_num_seqs=running, max_num_batched_tokens=8192,
+                         tensor_parallel_size=tp, kv_cache_memory_bytes=[blocks * SPEC.page_size_bytes])
+
+
+def engine_steps(tp: int, running: int, steps: int, tmpdir: str) -> tuple[list[float], list[float], list[float], int, int]:
+    """Per EngineCore.step() with `running` requests decoding: wall and engine-thread CPU microseconds,
+    rank 0's worker CPU microseconds; also message sizes."""
+    ctx = zmq.Context()
+    address = f"ipc://{tmpdir}/workers-{tp}.sock"
+    config = bench_config(tp, running)
+    configs = worker_configs(config, address, "")
+    worker_cpu_file = os.path.join(tmpdir, f"worker-cpu-{tp}")
+    os.environ[WORKER_CPU_FILE] = worker_cpu_file
+    executor = MultiprocExecutor(ctx, address, configs, entry=(sys.executable, os.path.abspath(__file__), "--worker"))
+    core = decoding_core(config, executor, running, steps)
     so = core.scheduler.schedule()  # one decode step by hand, to learn the message sizes
     out = executor.execute_model(so)
     core.scheduler.update_from_output(so, out)
     so_bytes = len(engine_to_worker_codec().encode(so))
     out_bytes = len(worker_to_engine_codec().encode(out))
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         core.step()
         times.append((time.perf_counter() - start) * 1e6)
+        cpu.append((time.thread_time() - start_cpu) * 1e6)
     executor.shutdown()
     ctx.term()
-    return times, so_bytes, out_bytes
+    with open(worker_cpu_file, "rb") as f:
+        worker_cpu = msgspec.msgpack.decode(f.read())[-steps:]
+    return times, cpu, worker_cpu, so_bytes, out_bytes
+
+
+def breakdown(running: int, steps: int) -> None:
+    """One process, no sockets: CPU microseconds of each part of a decode step (medians)."""
+    config = bench_config(1, running)
+    executor = ReferenceExecutor(available_kv_bytes=config.cache.kv_cache_memory_bytes, kv_cache_specs={"l0": SPEC})
+    core = decoding_core(config, executor, running, steps)
+    to_worker, to_engine = engine_to_worker_codec(), worker_to_engine_codec()
+    parts: dict[str, list[float]] = {name: [] for name in (
+        "schedule()", "encode SchedulerOutput", "decode SchedulerOutput", "ReferenceExecutor.execute_model",
+        "encode ModelRunnerOutput", "decode ModelRunnerOutput", "update_from_output()")}
+    clock = time.thread_time
+    for _ in range(steps):
+        marks = [clock()]
+        so = core.scheduler.schedule()
+        marks.append(clock())
+        so_frame = to_worker.encode(so)
+        marks.append(clock())
+        worker_so = to_worker.decode(so_frame)
+        marks.append(clock())
+        out = executor.execute_model(worker_so)
+        marks.append(clock())
+        out_frame = to_engine.encode(out)
+        marks.append(clock())
+        engine_out = to_engine.decode(out_frame)
+        marks.append(clock())
+        core.scheduler.update_from_output(so, engine_out)
+        marks.append(clock())
+        for times, start, end in zip(parts.values(), marks, marks[1:], strict=False):
+            times.append((end - start) * 1e6)
+    print(f"\none decode step in one process, {running} running, CPU us (medians of {steps} steps)")
+    for name, times in parts.items():
+        print(f"  {name:<34} {statistics.median(times):>7.0f}")
+    print(f"  {'sum':<34} {sum(statistics.median(t) for t in parts.values()):>7.0f}")
 
 
 def echo_peer(address: str, rank: int, reply_bytes: int) -> None:
@@ -145,17 +206,22 @@ def main() -> None:
     parser.add_argument("--running", type=int, default=256)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--breakdown", action="store_true", help="also time each part of a step in one process")
     args = parser.parse_args()
     print(f"engine-core step with an instant model, {args.running} running requests decoding, "
-          f"{args.steps} steps per row (medians; mean in brackets)")
-    print(f"{'TP':>3} {'step us':>16} {'bare zmq us':>16} {'ratio':>6} {'SchedulerOutput':>16} {'output':>8}")
+          f"{args.steps} steps per row (medians; mean in brackets; CPU: engine-core thread, rank 0 worker)")
+    print(f"{'TP':>3} {'step us':>16} {'engine CPU':>10} {'worker CPU':>10} {'bare zmq us':>16} {'ratio':>6} "
+          f"{'SchedulerOutput':>16} {'output':>8}")
     with tempfile.TemporaryDirectory() as tmpdir:
         for tp in args.tp:
-            times, so_bytes, out_bytes = engine_steps(tp, args.running, args.steps, tmpdir)
+            times, cpu, worker_cpu, so_bytes, out_bytes = engine_steps(tp, args.running, args.steps, tmpdir)
             bare = bare_round_trips(tp, so_bytes, out_bytes, args.steps, tmpdir)
             step, rt = statistics.median(times), statistics.median(bare)
-            print(f"{tp:>3} {step:>8.0f} [{statistics.mean(times):>5.0f}] {rt:>8.0f} [{statistics.mean(bare):>5.0f}] "
+            print(f"{tp:>3} {step:>8.0f} [{statistics.mean(times):>5.0f}] {statistics.median(cpu):>10.0f} "
+                  f"{statistics.median(worker_cpu):>10.0f} {rt:>8.0f} [{statistics.mean(bare):>5.0f}] "
                   f"{step / rt:>6.1f} {so_bytes:>14} B {out_bytes:>6} B")
+    if args.breakdown:
+        breakdown(args.running, args.steps)
 
 
 if __name__ == "__main__":

@@ -284,8 +284,10 @@ class Scheduler:
         """Append sampled tokens, finish requests that are done, and say what each client gets."""
         sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=False))
         logprobs = dict(zip(model_runner_output.req_ids, model_runner_output.logprobs or [], strict=False))
-        requests, running_status = self.requests, RequestStatus.RUNNING
+        requests, running_status, append_tokens = self.requests, RequestStatus.RUNNING, self._append_tokens
         outputs = []
+        num_generated = 0
+        num_finished = 0
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
             if request is None or request.status != running_status:
@@ -295,16 +297,19 @@ class Scheduler:
                 continue  # a prefill chunk: nothing sampled yet
             if not request.output_token_ids:
                 self.num_prompt_tokens += request.num_prompt_tokens
-            new_token_ids, status = self._append_tokens(request, token_ids)
-            self.num_generation_tokens += len(new_token_ids)
+            new_token_ids, status = append_tokens(request, token_ids)
+            num_generated += len(new_token_ids)
             reason = None
             if status is not None:
-                self.running.remove(request)
                 self._finish(request, status)
                 reason = FINISH_REASON[status]
+                num_finished += 1
             token_logprobs = logprobs.get(req_id) if logprobs else None
             outputs.append(EngineCoreOutput(req_id, new_token_ids, reason, request.num_cached_tokens, None,
                                             None if token_logprobs is None else [token_logprobs]))
+        self.num_generation_tokens += num_generated
+        if num_finished:  # one pass, however many finished
+            self.running[:] = [r for r in self.running if r.status == running_status]
         return outputs
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> tuple[list[int], RequestStatus | None]:
