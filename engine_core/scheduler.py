@@ -10,6 +10,7 @@ policy, the least important) is preempted: its blocks are freed and it is recomp
 """
 
 from collections.abc import Iterable
+from itertools import repeat
 
 from engine_core.kv_cache.hashing import get_hash_fn, get_request_block_hasher
 from engine_core.kv_cache.manager import KVCacheBlocks, KVCacheManager
@@ -25,6 +26,7 @@ from protocol import (
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
+    TokenLogprobs,
     block_ids_digest,
 )
 from protocol.config import EngineConfig
@@ -282,17 +284,14 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, finish requests that are done, and say what each client gets."""
-        sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=False))
-        logprobs = dict(zip(model_runner_output.req_ids, model_runner_output.logprobs or [], strict=False))
         requests, running_status, append_tokens = self.requests, RequestStatus.RUNNING, self._append_tokens
         outputs = []
         num_generated = 0
         num_finished = 0
-        for req_id in scheduler_output.num_scheduled_tokens:
+        for req_id, token_ids, token_logprobs in _sampled_rows(scheduler_output, model_runner_output):
             request = requests.get(req_id)
             if request is None or request.status != running_status:
                 continue  # aborted or preempted while the step ran
-            token_ids = sampled.get(req_id)
             if not token_ids:
                 continue  # a prefill chunk: nothing sampled yet
             if not request.output_token_ids:
@@ -304,7 +303,6 @@ class Scheduler:
                 self._finish(request, status)
                 reason = FINISH_REASON[status]
                 num_finished += 1
-            token_logprobs = logprobs.get(req_id) if logprobs else None
             outputs.append(EngineCoreOutput(req_id, new_token_ids, reason, request.num_cached_tokens, None,
                                             None if token_logprobs is None else [token_logprobs]))
         self.num_generation_tokens += num_generated
@@ -365,3 +363,19 @@ class Scheduler:
             num_generation_tokens=self.num_generation_tokens,
             step=self.step,
         )
+
+
+def _sampled_rows(
+    scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+) -> Iterable[tuple[str, list[int] | None, TokenLogprobs | None]]:
+    """Per scheduled request in schedule order: its sampled tokens and logprobs (None where the runner gave none)."""
+    scheduled = scheduler_output.num_scheduled_tokens
+    req_ids, sampled, logprobs = (
+        model_runner_output.req_ids, model_runner_output.sampled_token_ids, model_runner_output.logprobs
+    )
+    columns_match = len(sampled) == len(req_ids) and (logprobs is None or len(logprobs) == len(req_ids))
+    if columns_match and req_ids == list(scheduled):  # the usual answer: one row per request, in schedule order
+        return zip(req_ids, sampled, logprobs or repeat(None), strict=False)
+    sampled_of = dict(zip(req_ids, sampled, strict=False))
+    logprobs_of = dict(zip(req_ids, logprobs or [], strict=False))
+    return ((req_id, sampled_of.get(req_id), logprobs_of.get(req_id)) for req_id in scheduled)

@@ -2,7 +2,8 @@
 
 Sampled tokens are appended in one call and block hashes are made only once a block fills; these
 tests hold both against the plain rules: a request's hashes are those of all its tokens hashed from
-scratch, and a request finishes at the first token that stops it or reaches its length limit.
+scratch, and a request finishes at the first token that stops it or reaches its length limit. A
+runner's answer in schedule order is read row by row; any other answer is looked up by request id.
 """
 
 import random
@@ -12,7 +13,7 @@ import pytest
 from engine_core.kv_cache.hashing import get_hash_fn, get_request_block_hasher
 from engine_core.request import Request
 from engine_core.scheduler import Scheduler
-from protocol import KVCacheConfig, KVCacheGroupSpec, ModelRunnerOutput
+from protocol import KVCacheConfig, KVCacheGroupSpec, ModelRunnerOutput, TokenLogprobs
 from protocol.config import engine_config
 from test_scheduler_support import SPEC, VOCAB, make_request, prompt_of
 
@@ -87,3 +88,33 @@ def test_several_sampled_tokens_finish_where_the_per_token_rule_does(seed):
     assert not sched.has_requests() and len(finished) == 24
     assert set(finished.values()) == {"stop", "length"}
     assert sched.num_generation_tokens == sum(len(t) for t in tokens_of.values())
+
+
+def _decoding_scheduler(num_requests: int) -> Scheduler:
+    kv = KVCacheConfig(num_blocks=200, kv_cache_groups=[KVCacheGroupSpec(["layer.0"], SPEC)])
+    sched = Scheduler(engine_config(max_num_batched_tokens=4096), kv, 512, vocab_size=VOCAB)
+    for i in range(num_requests):
+        assert sched.add_request(make_request(f"r{i}", prompt_of(i, 20 + i), max_tokens=50)) is None
+    return sched
+
+
+def _runner_output(step: int, rows, with_logprobs: bool) -> ModelRunnerOutput:
+    return ModelRunnerOutput(step, [r[0] for r in rows], [r[1] for r in rows],
+                             [r[2] for r in rows] if with_logprobs else None)
+
+
+@pytest.mark.parametrize("answer", ["reversed", "rows missing", "duplicate row"])
+@pytest.mark.parametrize("with_logprobs", [False, True])
+def test_runner_answer_out_of_schedule_order_gives_the_same_outputs(answer, with_logprobs):
+    in_order, other = _decoding_scheduler(6), _decoding_scheduler(6)
+    for step in range(4):
+        so = in_order.schedule()
+        assert other.schedule() == so
+        rows = [(rid, [10 + step + i], TokenLogprobs(-0.5 * i)) for i, rid in enumerate(so.num_scheduled_tokens)]
+        if answer == "rows missing":
+            rows = rows[::2]  # the others sampled nothing this step
+        expected = in_order.update_from_output(so, _runner_output(so.step, rows, with_logprobs))
+        assert len(expected) == len(rows) and all((o.logprobs is not None) == with_logprobs for o in expected)
+        shuffled = {"reversed": rows[::-1], "rows missing": rows[::-1], "duplicate row": [*rows, rows[0]]}[answer]
+        assert other.update_from_output(so, _runner_output(so.step, shuffled, with_logprobs)) == expected
+        assert [r.all_token_ids for r in other.running] == [r.all_token_ids for r in in_order.running]
