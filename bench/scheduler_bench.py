@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine_core.config import SchedulerConfig  # noqa: E402
+from protocol.config import engine_config  # noqa: E402
 from engine_core.core import EngineCore  # noqa: E402
 from engine_core.reference_executor import ReferenceExecutor  # noqa: E402
 from protocol import EngineCoreRequest, FullAttentionSpec, SamplingParams  # noqa: E402
@@ -55,7 +55,7 @@ class Bench:
             vocab_size=VOCAB,
             max_position_embeddings=max_model_len,
         )
-        config = SchedulerConfig(
+        config = engine_config(
             max_model_len=max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.budget,
