@@ -44,6 +44,7 @@ from launch.client_endpoints import open_client_endpoints
 from launch.config_args import config_to_flags
 from launch.kv_event_subscriber import KVEventSubscriber
 from launch.local_server import die_with_parent
+from launch.signals import STOP_SIGNALS
 from launch.simulate.replay import with_settings
 from launch.worker_config import auto_binding, format_cores
 from protocol import (
@@ -59,7 +60,6 @@ from protocol.codec import client_codec, outputs_codec
 from protocol.config import EngineConfig
 
 logger = logging.getLogger("kvengine.serve")
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 POLL_MS = 100
 BACKLOG_RETRY_MS = 10
 HEALTH_PERIOD = 0.1  # seconds between checks that every engine process lives

@@ -24,6 +24,7 @@ import zmq
 
 from launch.hosts import host_label
 from launch.multiproc_executor import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, POLL_MS
+from launch.signals import STOP_SIGNALS
 from launch.worker_config import worker_configs
 from protocol import ProtocolError, Shutdown, WorkerError
 from protocol.codec import engine_to_worker_codec, worker_to_engine_codec
@@ -31,7 +32,6 @@ from protocol.config import EngineConfig
 from protocol.messages import EngineHeartbeat, NodeHeartbeat
 
 logger = logging.getLogger("kvengine.headless")
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 SHUTDOWN_WAIT = 5.0  # seconds the workers get to exit after the head's Shutdown
 
 

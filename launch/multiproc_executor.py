@@ -158,12 +158,8 @@ class MultiprocExecutor:
     def _from_host(self, frames: list[bytes]) -> None:
         """A headless host's heartbeat, or its report of a dead worker (raised as WorkerFailedError)."""
         host = self.remote[frames[0]]
-        try:
-            if len(frames) != 2:
-                raise ProtocolError(f"{len(frames)} frames")
-            msg = self.decoder.decode(frames[1])
-        except ProtocolError as e:
-            logger.error("Dropped a malformed message from %r: %s", frames[0], e)
+        msg = self._decode(frames, known_peer=True)
+        if msg is None:
             return
         if isinstance(msg, NodeHeartbeat):
             if host.last_seen is None:
@@ -180,6 +176,16 @@ class MultiprocExecutor:
             raise WorkerFailedError(msg.rank, msg.message, host.label())
         else:
             logger.error("Dropped an unexpected %s from %r", type(msg).__name__, frames[0])
+
+    def _decode(self, frames: list[bytes], known_peer: bool) -> object | None:
+        """The message of [identity, payload] from a known peer; None (logged) for anything else."""
+        try:
+            if not known_peer or len(frames) != 2:
+                raise ProtocolError(f"{len(frames)} frames" + ("" if known_peer else " from an unknown peer"))
+            return self.decoder.decode(frames[1])
+        except ProtocolError as e:
+            logger.error("Dropped a malformed message from %r: %s", frames[0], e)
+            return None
 
     def _recv(self, wanted: type[M], ranks: set[int], deadline: float | None = None) -> dict[int, M]:
         """Wait for one `wanted` message from each rank in ranks; TimeoutError once past deadline (monotonic)."""
@@ -202,12 +208,8 @@ class MultiprocExecutor:
                 self._from_host(frames)
                 continue
             rank = self.rank_of.get(frames[0])
-            try:
-                if rank is None or len(frames) != 2:
-                    raise ProtocolError(f"{len(frames)} frames from an unknown peer")
-                msg = self.decoder.decode(frames[1])
-            except ProtocolError as e:
-                logger.error("Dropped a malformed message from %r: %s", frames[0], e)
+            msg = self._decode(frames, known_peer=rank is not None)
+            if msg is None or rank is None:
                 continue
             if isinstance(msg, WorkerError):
                 self._name_the_dead()

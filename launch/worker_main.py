@@ -16,6 +16,7 @@ import zmq
 
 from launch.hosts import pin_collective_interface
 from launch.open_files import raise_open_file_limit
+from launch.signals import STOP_SIGNALS
 from launch.worker_config import WorkerConfig
 from protocol import InitKVCache, ProtocolError, SchedulerOutput, Shutdown, WorkerError
 from protocol.codec import engine_to_worker_codec, worker_to_engine_codec
@@ -27,7 +28,7 @@ PARENT_CHECK_MS = 500
 def main() -> int:
     config = msgspec.json.decode(sys.argv[1], type=WorkerConfig)
     logging.basicConfig(level=config.engine.server.log_level, format=f"%(asctime)s %(levelname)s [rank {config.rank}] %(message)s")
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for signum in STOP_SIGNALS:
         # Ctrl-C, a closed terminal or a container stop reaches the whole group: the engine core decides,
         # then sends Shutdown; a worker whose engine core is gone exits by itself (the parent check below).
         signal.signal(signum, signal.SIG_IGN)

@@ -28,12 +28,11 @@ from launch.headless import HeadlessHost
 from launch.hosts import host_label
 from launch.multiproc_executor import MultiprocExecutor, WorkerFailedError
 from launch.open_files import raise_open_file_limit
+from launch.signals import STOP_SIGNALS
 from launch.worker_config import worker_configs
 from protocol.config import EngineConfig
 
 logger = logging.getLogger("kvengine.serve")
-# Each stops the server gracefully; workers ignore them and exit when told (launch/worker_main.py).
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:

@@ -13,6 +13,7 @@ from launch.client import AsyncEngineClient
 from protocol import EngineCoreGetStats, EngineCoreOutputs, EngineCoreRequest, SamplingParams, SchedulerStats
 from protocol.codec import client_codec, outputs_codec
 from tests.e2e.conftest import ServerProcess, cmdline, descendants, processes_in_group, wait_exit, wait_until
+from tests.e2e.test_serve import collect
 
 SMALL = ["--max-model-len", "512", "--kv-cache-memory-bytes", "8MiB", "--dtype", "float32"]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -55,14 +56,6 @@ def raw_generate(address: str, batch: list[list[int]], params: SamplingParams) -
     finally:
         sock.close()
         ctx.term()
-
-
-async def collect(client: AsyncEngineClient, prompt: list[int], params: SamplingParams = GREEDY):
-    tokens, last = [], None
-    async for out in client.generate(prompt, params):
-        tokens += out.new_token_ids
-        last = out
-    return tokens, last
 
 
 async def engine_stats(address: str) -> list[SchedulerStats]:
