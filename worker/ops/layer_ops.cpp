@@ -45,7 +45,7 @@ inline void silu(float* v, int64_t n) {
   for (; i + kLanes <= n; i += kLanes) {
     const vfloat x = load(v + i);
     const vfloat e = exp_nonpos(x > 0 ? -x : x);
-    store(v + i, x >= 0 ? x / (1.0f + e) : x * e / (1.0f + e));
+    store(v + i, (x >= 0 ? x : x * e) / (1.0f + e));  // one division for both signs
   }
   for (; i < n; ++i) v[i] = v[i] >= 0 ? v[i] / (1.0f + std::exp(-v[i])) : v[i] * std::exp(v[i]) / (1.0f + std::exp(v[i]));
 }

@@ -206,26 +206,20 @@ class ItemRunner {
   // the unscaled bf16 bits instead: wide items as [D / 2][kLanes][2] (pairs of a row), narrow ones as [rows][D].
   void load_queries(const Item& it, const Request& rq) {
     const int D = d();
-    if (wide_) std::fill(queries_.begin(), queries_.end(), 0.0f);
+    if (wide_ && !dot_) std::fill(queries_.begin(), queries_.end(), 0.0f);
     if (wide_ && dot_) std::fill(qbits_.begin(), qbits_.end(), uint16_t{0});
     for (int m = 0; m < rows_; ++m) {
       const int64_t token = rq.q_start + it.token0 + m / it.num_heads;
       const int64_t head = it.kv_head * s_.group + it.head0 + m % it.num_heads;
       const T* src = q_ + token * s_.q_token_stride + head * s_.q_head_stride;
-      for (int i = 0; i < D; ++i) {
-        if (dot_) {
-          qbits_[wide_ ? ((i / 2) * kLanes + m) * 2 + i % 2 : m * D + i] = bits(src[i]);
-        } else {
-          queries_[wide_ ? i * kLanes + m : m * D + i] = to_float(src[i]) * s_.scale;
-        }
+      if (dot_ && wide_) {  // a pair of bf16 values is one 32-bit lane
+        for (int i = 0; i < D; i += 2) std::memcpy(qbits_.data() + ((i / 2) * kLanes + m) * 2, src + i, 4);
+      } else if (dot_) {
+        std::memcpy(qbits_.data() + m * D, src, D * sizeof(T));
+      } else {
+        for (int i = 0; i < D; ++i) queries_[wide_ ? i * kLanes + m : m * D + i] = to_float(src[i]) * s_.scale;
       }
     }
-  }
-
-  static uint16_t bits(const T& x) {
-    uint16_t b;
-    std::memcpy(&b, &x, sizeof(b));
-    return b;
   }
 
   // Keys [j0, j1) of a block as fp32: the cache itself for fp32, else converted into scratch.
@@ -414,14 +408,39 @@ class ItemRunner {
         const vfloat p1 = j + 1 < j1 ? load(scores_.data() + (j + 1) * kLanes) : vfloat{};
         pack_bf16_pairs(load(scores_.data() + j * kLanes), p1, ppairs_.data() + k * kLanes);
       }
-      for (int m = 0; m < rows_; ++m) {
-        float* acc = acc_.data() + static_cast<int64_t>(m) * D;
-        for (int c = 0; c < D; c += kLanes) {
-          vfloat r = load(acc + c) * alpha_[m];
-          for (int k = 0; k < pairs; ++k) {
-            r = dot_bf16_pair(r, vpairs_.data() + (static_cast<int64_t>(k) * D + c) * 2, ppairs_[k * kLanes + m]);
+      if constexpr (kD > 0) {
+        // kRows rows' accumulators stay in registers, kRows * kChunks independent dot-product chains.
+        constexpr int kChunks = kD / kLanes, kRows = kChunks >= 8 ? 1 : 8 / kChunks;
+        for (int m0 = 0; m0 < rows_; m0 += kRows) {
+          const int nr = std::min(kRows, rows_ - m0);
+          vfloat r[kRows][kChunks];
+          for (int m = 0; m < kRows; ++m) {
+            for (int c = 0; c < kChunks; ++c) {
+              r[m][c] = m < nr ? load(acc_.data() + (m0 + m) * kD + c * kLanes) * alpha_[m0 + m] : vfloat{};
+            }
           }
-          store(acc + c, r);
+          for (int k = 0; k < pairs; ++k) {
+#pragma GCC unroll 8
+            for (int c = 0; c < kChunks; ++c) {
+              const uint16_t* vp = vpairs_.data() + (static_cast<int64_t>(k) * kD + c * kLanes) * 2;
+#pragma GCC unroll 8
+              for (int m = 0; m < kRows; ++m) r[m][c] = dot_bf16_pair(r[m][c], vp, ppairs_[k * kLanes + m0 + m]);
+            }
+          }
+          for (int m = 0; m < nr; ++m) {
+            for (int c = 0; c < kChunks; ++c) store(acc_.data() + (m0 + m) * kD + c * kLanes, r[m][c]);
+          }
+        }
+      } else {
+        for (int m = 0; m < rows_; ++m) {
+          float* acc = acc_.data() + static_cast<int64_t>(m) * D;
+          for (int c = 0; c < D; c += kLanes) {
+            vfloat r = load(acc + c) * alpha_[m];
+            for (int k = 0; k < pairs; ++k) {
+              r = dot_bf16_pair(r, vpairs_.data() + (static_cast<int64_t>(k) * D + c) * 2, ppairs_[k * kLanes + m]);
+            }
+            store(acc + c, r);
+          }
         }
       }
     }
