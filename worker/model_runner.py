@@ -13,6 +13,7 @@ from worker.attention_backends import Attention, BackendName, CpuKernelAttention
 from worker.block_table import BlockTableMismatch, BlockTables
 from worker.cuda_graphs import CudaGraphs, decode_bucket
 from worker.input_buffers import StepBuffers
+from worker.memory import cpu_zeros_huge_pages
 from worker.model.llama import LlamaModel
 from worker.sampler import sample, token_logprobs
 
@@ -57,7 +58,10 @@ class ModelRunner:
         num_blocks = cfg.num_blocks + (1 if self.cuda_graph_sizes else 0)
         shape = (2, m.kv_heads_per_rank, num_blocks, self.block_size, m.cfg.head_dim)
         num_tensors = max(len(g.layer_names) for g in groups)
-        self.kv_tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_tensors)]
+        if torch.device(device).type == "cpu":
+            self.kv_tensors = [cpu_zeros_huge_pages(shape, dtype) for _ in range(num_tensors)]
+        else:
+            self.kv_tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_tensors)]
         slots: dict[int, tuple[int, int]] = {}  # layer index -> (group, tensor)
         for g, group in enumerate(groups):
             for j, name in enumerate(group.layer_names):

@@ -113,6 +113,17 @@ def test_block_sizes_placements_windows_dtypes(block_size, placement, window, dt
     check(b, run(b))
 
 
+# Narrow items (a few query rows) take one online-softmax step per span of blocks: contexts over many
+# spans, windows that start mid-block and mid-span, 1 to 8 rows per item, a span of one block (128).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [None, 130, 301])
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 4), (16, 2)])
+def test_narrow_items_over_many_spans(heads, kv_heads, block_size, window, dtype):
+    b = make_batch([(300, 1), (517, 3), (1000, 2), (129, 1)], heads, kv_heads, 32, block_size, window, dtype)
+    check(b, run(b))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_size", [80, 96])  # 96: bf16 dot products at a run-time head size; 80: not whole 32s
 def test_head_size_without_a_specialisation(head_size, dtype):

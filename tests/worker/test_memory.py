@@ -96,3 +96,34 @@ def test_profile_forward_runs_on_a_scratch_cache(tmp_path):
                              kv_cache_memory_bytes=[1 << 24]))
     w.profile_run()  # 96 + 96 + 8 tokens
     assert w.runner.requests == {}
+
+
+def anon_huge_kib(address: int) -> int:
+    """AnonHugePages of the mapping that holds address, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_cpu_kv_tensor_is_zeroed_aligned_and_on_huge_pages():
+    shape = (2, 4, 300, 16, 32)  # 4.7 MiB of bf16: at least one whole 2 MiB page
+    t = memory.cpu_zeros_huge_pages(shape, torch.bfloat16)
+    assert t.shape == shape and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() % memory.HUGE_PAGE_BYTES == 0
+    assert not t.any()
+    t[1, 3, 299, 15, 31] = 2.5  # writable, to its last element
+    assert t.sum().item() == 2.5
+    try:
+        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        pytest.skip("no transparent huge pages on this kernel")
+    if "[never]" in thp:
+        pytest.skip("transparent huge pages are off on this machine")
+    assert anon_huge_kib(t.data_ptr()) >= 2048

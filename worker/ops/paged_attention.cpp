@@ -8,8 +8,8 @@
 //
 // The work is split into items: (request, kv head, up to one vector's lanes of (query token, q head)
 // rows); the rows of one item share every K/V block they read. Items run largest first on torch's
-// intra-op threads, taken from a shared counter. Each item walks the blocks its rows can see, a block at a
-// time, with an online softmax in fp32. Keys outside [first visible key, last query] are never
+// intra-op threads, taken from a shared counter. Each item walks the blocks its rows can see with an
+// online softmax in fp32: a block per step for wide items, a span of blocks per step for narrow ones. Keys outside [first visible key, last query] are never
 // touched, so null blocks (skipped by a sliding window) and unwritten slots are never read.
 
 #include <ATen/ATen.h>
@@ -109,14 +109,15 @@ struct Shape {
 // An item's rows (query token, q head) are kLanes at most. Wide items (prefill tiles) score a key
 // for all rows in one vector: queries transposed, one broadcast key element per step. Narrow items
 // (decodes: the heads of one kv head) take per-row dot products, kLanes keys at a time, summed
-// across lanes by a transposed reduction. Either way, per block: scores, online-softmax step, then
-// acc += p * V row by row, K and V of the blocks ahead prefetched (blocks are scattered).
+// across lanes by a transposed reduction. Either way, per step: scores, online-softmax step, then
+// acc += p * V, K and V of the blocks ahead prefetched (blocks are scattered).
 template <typename T, int kD>
 class ItemRunner {
  public:
   ItemRunner(const Shape& s, const T* q, const T* cache, T* out)
       : s_(s), d_(kD > 0 ? kD : static_cast<int>(s.head_size)), q_(q), cache_(cache), out_(out),
-        key_stride_(s.block_size + kLanes),
+        span_blocks_(std::max<int64_t>(1, kSpanKeys / s.block_size)),
+        key_stride_(static_cast<int>(span_blocks_ * s.block_size) + kLanes),
         prefetch_blocks_(std::clamp<int64_t>(kPrefetchBytes / (s.block_size * s.head_size * sizeof(T)), 1, 8)),
         queries_(static_cast<size_t>(d_) * kLanes),
         scores_(static_cast<size_t>(key_stride_) * kLanes), acc_(static_cast<size_t>(kLanes) * d_),
@@ -156,33 +157,57 @@ class ItemRunner {
     const int64_t D = d(), kv_stride = s_.num_blocks * BS * D;  // one kv head of K (or V)
     const T* k_head = cache_ + it.kv_head * kv_stride;
     const T* v_head = cache_ + (s_.kv_heads + it.kv_head) * kv_stride;
+    lo_min_ = lo_min;
+    hi_max_ = hi_max;
     const int64_t first = lo_min / BS, last = hi_max / BS;
-    for (int64_t b = first; b < std::min(first + prefetch_blocks_, last + 1); ++b) {
-      prefetch(k_head + rq.blocks[b] * BS * D, BS * D);
-      prefetch(v_head + rq.blocks[b] * BS * D, BS * D);
-    }
-    for (int64_t b = first; b <= last; ++b) {
-      const int64_t base = b * BS;
-      const int j0 = static_cast<int>(std::max(lo_min, base) - base);
-      const int j1 = static_cast<int>(std::min(hi_max, base + BS - 1) - base + 1);
-      const int64_t block = rq.blocks[b];
-      if (b + prefetch_blocks_ <= last) {
-        prefetch(k_head + rq.blocks[b + prefetch_blocks_] * BS * D, BS * D);
-        prefetch(v_head + rq.blocks[b + prefetch_blocks_] * BS * D, BS * D);
+    auto block_of = [&](const T* head, int64_t b) { return head + rq.blocks[b] * BS * D; };
+    if (wide_) {
+      for (int64_t b = first; b < std::min(first + prefetch_blocks_, last + 1); ++b) {
+        prefetch(block_of(k_head, b), BS * D);
+        prefetch(block_of(v_head, b), BS * D);
       }
-      const T* k = k_head + block * BS * D;
-      const T* v = v_head + block * BS * D;
-      if (wide_) {
+      for (int64_t b = first; b <= last; ++b) {
+        if (b + prefetch_blocks_ <= last) {
+          prefetch(block_of(k_head, b + prefetch_blocks_), BS * D);
+          prefetch(block_of(v_head, b + prefetch_blocks_), BS * D);
+        }
+        const int64_t base = b * BS;
+        const int j0 = key_begin(b), j1 = key_end(b);
+        const T* k = block_of(k_head, b);
+        const T* v = block_of(v_head, b);
         if (dot_) {
           score_wide_dot(k, static_cast<int32_t>(base), j0, j1);
           accumulate_wide_dot(v, j0, j1);
         } else {
           score_wide(as_float(k, j0, j1, kf_), static_cast<int32_t>(base), j0, j1);
-          accumulate(as_float(v, j0, j1, vf_), j0, j1, 1, kLanes);
+          accumulate(as_float(v, j0, j1, vf_), scores_.data(), j0, j1, 1, kLanes);
         }
-      } else {
-        score_narrow(dot_ ? nullptr : as_float(k, j0, j1, kf_), k, static_cast<int32_t>(base), j0, j1);
-        accumulate(as_float(v, j0, j1, vf_), j0, j1, key_stride_, 1);
+      }
+    } else {
+      // A span of blocks at a time: scores of all its keys, one online-softmax step, then P x V. The
+      // next span's blocks are prefetched a key at a time as this span's are read (a burst of
+      // prefetches would stall on the line fill buffers): K while scoring, V while accumulating.
+      for (int64_t b = first; b < std::min(first + prefetch_blocks_, last + 1); ++b) prefetch(block_of(k_head, b), BS * D);
+      for (int64_t b0 = first; b0 <= last; b0 += span_blocks_) {
+        const int64_t b1 = std::min(last + 1, b0 + span_blocks_);
+        for (int64_t b = b0; b < b1; ++b) {
+          const T* k = block_of(k_head, b);
+          const T* ahead = b + span_blocks_ <= last ? block_of(k_head, b + span_blocks_) : nullptr;
+          score_narrow(dot_ ? nullptr : as_float(k, key_begin(b), key_end(b), kf_), k, static_cast<int32_t>(b * BS),
+                       key_begin(b), key_end(b), static_cast<int>((b - b0) * BS), ahead,
+                       b0 == first ? block_of(v_head, b) : nullptr);
+        }
+        softmax_step_narrow(key_begin(b0), static_cast<int>((b1 - 1 - b0) * BS) + key_end(b1 - 1));
+        if constexpr (kNarrowInRegisters) {
+          accumulate_narrow(v_head, rq, b0, b1, last);
+        } else {
+          for (int64_t b = b0; b < b1; ++b) {
+            if (b + span_blocks_ <= last) prefetch(block_of(v_head, b + span_blocks_), BS * D);
+            const float* v = as_float(block_of(v_head, b), key_begin(b), key_end(b), vf_);
+            accumulate(v, scores_.data() + (b - b0) * BS, key_begin(b), key_end(b), key_stride_, 1);
+            std::fill(alpha_, alpha_ + kLanes, 1.0f);  // the span's rescale, applied with its first block
+          }
+        }
       }
     }
     store_out(it, rq);
@@ -190,11 +215,18 @@ class ItemRunner {
 
  private:
   static constexpr int64_t kPrefetchBytes = 4096;  // of K (and as much of V) ahead of the block in use
+  static constexpr int64_t kSpanKeys = 128;        // narrow items' keys per online-softmax step
   // bf16 on CPUs with AVX512-BF16: scores by bf16 dot products read straight from the cache, queries kept
   // unscaled in bf16 (exact) and the scale applied to the fp32 scores.
   static constexpr bool kDotT = std::is_same_v<T, c10::BFloat16> && kBf16Dot;
 
   int d() const { return kD > 0 ? kD : d_; }
+
+  // The keys of block column b that some row sees: [key_begin(b), key_end(b)) within the block.
+  int key_begin(int64_t b) const { return static_cast<int>(std::max<int64_t>(lo_min_, b * s_.block_size) - b * s_.block_size); }
+  int key_end(int64_t b) const {
+    return static_cast<int>(std::min<int64_t>(hi_max_ + 1, (b + 1) * s_.block_size) - b * s_.block_size);
+  }
 
   template <typename U>
   static void prefetch(const U* p, int64_t n) {
@@ -334,17 +366,22 @@ class ItemRunner {
     return s;
   }
 
-  // scores_[row * key_stride_ + j]: per row, kLanes keys at a time; then that row's softmax step.
-  // Keys as fp32 (k), or with dot_ the block's bf16 keys (kb).
-  void score_narrow(const float* k, const T* kb, int32_t base, int j0, int j1) {
+  // scores_[row * key_stride_ + off + j] for keys [j0, j1) of a block, masked: per row, kLanes keys at a
+  // time. Keys as fp32 (k), or with dot_ the block's bf16 keys (kb). The same keys of blocks ahead1 and
+  // ahead2 (where not null) are prefetched along the way.
+  void score_narrow(const float* k, const T* kb, int32_t base, int j0, int j1, int off, const T* ahead1,
+                    const T* ahead2) {
     const int D = d();
     for (int m = 0; m < rows_; ++m) {
       const float* q = queries_.data() + m * D;
-      float* sc = scores_.data() + m * key_stride_;
-      vfloat block_max = splat(kMasked);
+      float* sc = scores_.data() + m * key_stride_ + off;
       for (int jc = j0; jc < j1; jc += kLanes) {
         vfloat part[kLanes];
         for (int i = 0; i < kLanes; ++i) {
+          if (m == 0 && jc + i < j1) {
+            if (ahead1) prefetch(ahead1 + static_cast<int64_t>(jc + i) * D, D);
+            if (ahead2) prefetch(ahead2 + static_cast<int64_t>(jc + i) * D, D);
+          }
           if (jc + i >= j1) {
             part[i] = vfloat{};
           } else if (dot_) {
@@ -357,16 +394,28 @@ class ItemRunner {
         if (dot_) x *= s_.scale;
         const vint pos = splat_int(base + jc) + iota();
         x = (pos >= lo_[m]) & (pos <= hi_[m]) & (pos < base + j1) ? x : splat(kMasked);
-        block_max = vmax(block_max, x);
         store(sc + jc, x);
+      }
+    }
+  }
+
+  // The online-softmax step of every row over a span's scores [start, end) (narrow items); lanes past
+  // end hold whatever a block's last vector left there and are ignored.
+  void softmax_step_narrow(int start, int end) {
+    for (int m = 0; m < rows_; ++m) {
+      float* sc = scores_.data() + m * key_stride_;
+      vfloat block_max = splat(kMasked);
+      for (int jc = start; jc < end; jc += kLanes) {
+        const vfloat x = load(sc + jc);
+        block_max = vmax(block_max, splat_int(jc) + iota() < end ? x : splat(kMasked));
       }
       const float new_max = std::max(max_[m], hmax(block_max));
       alpha_[m] = std::exp(max_[m] - new_max);
       max_[m] = new_max;
       vfloat sum{};
-      for (int jc = j0; jc < j1; jc += kLanes) {
+      for (int jc = start; jc < end; jc += kLanes) {
         const vfloat x = load(sc + jc);
-        const vfloat p = x == kMasked ? vfloat{} : exp_nonpos(x - new_max);
+        const vfloat p = x == kMasked || splat_int(jc) + iota() >= end ? vfloat{} : exp_nonpos(x - new_max);
         sum += p;
         store(sc + jc, p);
       }
@@ -446,13 +495,88 @@ class ItemRunner {
     }
   }
 
+  // Narrow items with a compile-time head size and fp32 or bf16 V: accumulate_narrow's register blocks.
+  static constexpr bool kNarrowInRegisters =
+      kD > 0 && kD % kLanes == 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
+
+  static vfloat load_as_float(const T* p) {
+    if constexpr (std::is_same_v<T, float>) {
+      return load(p);
+    } else {
+      return load_bf16(p);
+    }
+  }
+
+  // accumulate for narrow items, V read once per key for a block of rows: each key's V chunks are
+  // loaded (bf16 widened in registers) and added into kR rows' accumulators; when that makes fewer
+  // than 8 independent FMA chains, even and odd keys get accumulators of their own, summed at the end.
+  // Block columns [b0, b1); the first pass over V prefetches the next span's V (up to block column last).
+  void accumulate_narrow(const T* v_head, const Request& rq, int64_t b0, int64_t b1, int64_t last) {
+    if constexpr (kNarrowInRegisters) {
+      constexpr int kRows = std::clamp(16 / (kD / kLanes), 1, 4);
+      int m0 = 0;
+      for (; m0 + kRows <= rows_; m0 += kRows) accumulate_rows<kRows>(v_head, rq, b0, b1, m0, last);
+      if constexpr (kRows > 2) {
+        if (m0 + 2 <= rows_) {
+          accumulate_rows<2>(v_head, rq, b0, b1, m0, last);
+          m0 += 2;
+        }
+      }
+      if constexpr (kRows > 1) {
+        if (m0 < rows_) accumulate_rows<1>(v_head, rq, b0, b1, m0, last);
+      }
+    }
+  }
+
+  template <int kR>
+  void accumulate_rows(const T* v_head, const Request& rq, int64_t b0, int64_t b1, int m0, int64_t last) {
+    constexpr int kC = kD / kLanes, kS = kR * kC >= 8 ? 1 : 2;
+    vfloat r[kS][kR][kC];
+    for (int m = 0; m < kR; ++m) {
+      for (int c = 0; c < kC; ++c) {
+        r[0][m][c] = load(acc_.data() + (m0 + m) * kD + c * kLanes) * alpha_[m0 + m];
+        if constexpr (kS > 1) r[1][m][c] = vfloat{};
+      }
+    }
+    for (int64_t b = b0; b < b1; ++b) {
+      const T* ahead =
+          m0 == 0 && b + span_blocks_ <= last ? v_head + rq.blocks[b + span_blocks_] * s_.block_size * kD : nullptr;
+      const T* v = v_head + rq.blocks[b] * s_.block_size * kD;
+      const float* p = scores_.data() + m0 * key_stride_ + (b - b0) * s_.block_size;
+      auto add_key = [&](vfloat(&rs)[kR][kC], int j) {
+        const T* vj = v + static_cast<int64_t>(j) * kD;
+        if (ahead) prefetch(ahead + static_cast<int64_t>(j) * kD, kD);
+#pragma GCC unroll 8
+        for (int c = 0; c < kC; ++c) {
+          const vfloat vc = load_as_float(vj + c * kLanes);
+#pragma GCC unroll 4
+          for (int m = 0; m < kR; ++m) rs[m][c] += splat(p[m * key_stride_ + j]) * vc;
+        }
+      };
+      const int j1 = key_end(b);
+      int j = key_begin(b);
+      for (; j + kS <= j1; j += kS) {
+        add_key(r[0], j);
+        if constexpr (kS > 1) add_key(r[1], j + 1);
+      }
+      if (j < j1) add_key(r[0], j);
+    }
+    for (int m = 0; m < kR; ++m) {
+      for (int c = 0; c < kC; ++c) {
+        vfloat x = r[0][m][c];
+        if constexpr (kS > 1) x += r[1][m][c];
+        store(acc_.data() + (m0 + m) * kD + c * kLanes, x);
+      }
+    }
+  }
+
   // acc[row] = alpha[row] * acc[row] + sum_j p(row, j) V[j], with p(row, j) at
-  // scores_[row * row_stride + j * key_stride] (wide items: 1, kLanes; narrow ones: key_stride_, 1).
-  void accumulate(const float* v, int j0, int j1, int row_stride, int key_stride) {
+  // scores[row * row_stride + j * key_stride] (wide items: 1, kLanes; narrow ones: key_stride_, 1).
+  void accumulate(const float* v, const float* scores, int j0, int j1, int row_stride, int key_stride) {
     const int D = d();
     for (int m = 0; m < rows_; ++m) {
       float* acc = acc_.data() + static_cast<int64_t>(m) * D;
-      const float* p = scores_.data() + m * row_stride;
+      const float* p = scores + m * row_stride;
       const float a = alpha_[m];
       if constexpr (kD > 0 && kD % kLanes == 0) {  // the row's accumulator stays in registers
         vfloat r[kD / kLanes];
@@ -493,7 +617,8 @@ class ItemRunner {
   const T* q_;
   const T* cache_;
   T* out_;
-  const int key_stride_;  // narrow scores: a row's keys, padded to whole vectors
+  const int64_t span_blocks_;  // narrow items: blocks per online-softmax step
+  const int key_stride_;       // narrow scores: a row's keys of a span, padded to whole vectors
   const int64_t prefetch_blocks_;
   std::vector<float> queries_, scores_, acc_, kf_, vf_;
   const bool dot_;
@@ -504,6 +629,7 @@ class ItemRunner {
   bool wide_ = false;
   int32_t lo_[kLanes], hi_[kLanes];  // per row: first and last visible key position
   int32_t seen_by_all_lo_ = 0, seen_by_all_hi_ = -1;  // the keys every row sees
+  int64_t lo_min_ = 0, hi_max_ = -1;                   // the keys some row sees
   float max_[kLanes], sum_[kLanes], alpha_[kLanes];
 };
 
