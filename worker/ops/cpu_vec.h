@@ -67,6 +67,12 @@ inline vfloat dot_bf16(vfloat acc, const void* a, const void* b) {
   return reinterpret_cast<vfloat>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc),
                                                    (__m512bh)_mm512_loadu_si512(a), (__m512bh)_mm512_loadu_si512(b)));
 }
+// The same with b's 16 values (32 bytes) in both halves: lanes 0-7 take a's first 16 values, 8-15 its last.
+inline vfloat dot_bf16_half(vfloat acc, const void* a, const void* b) {
+  const __m512i bb = _mm512_broadcast_i64x4(_mm256_loadu_si256(static_cast<const __m256i*>(b)));
+  return reinterpret_cast<vfloat>(
+      _mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), (__m512bh)_mm512_loadu_si512(a), (__m512bh)bb));
+}
 // The same with b one bf16 pair (its 32 bits) broadcast to every lane.
 inline vfloat dot_bf16_pair(vfloat acc, const void* a, uint32_t b_pair) {
   return reinterpret_cast<vfloat>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), (__m512bh)_mm512_loadu_si512(a),
@@ -93,6 +99,7 @@ inline void interleave_bf16(const void* a, const void* b, void* lo, void* hi) {
 constexpr bool kBf16Dot = false;
 // Declared only: callers use them under `if constexpr (kBf16Dot)`, which discards the calls on other CPUs.
 vfloat dot_bf16(vfloat acc, const void* a, const void* b);
+vfloat dot_bf16_half(vfloat acc, const void* a, const void* b);
 vfloat dot_bf16_pair(vfloat acc, const void* a, uint32_t b_pair);
 void pack_bf16_pairs(vfloat x, vfloat y, void* dst);
 void interleave_bf16(const void* a, const void* b, void* lo, void* hi);

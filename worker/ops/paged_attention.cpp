@@ -69,6 +69,26 @@ inline vfloat sum_lanes(vfloat* v) {
   return bit_reverse_lanes(v[0], std::make_index_sequence<kLanes>{});
 }
 
+// sum_lanes for kLanes vectors that each hold two rows' partial sums (lower and upper half): one fold
+// level fewer, two vectors out. sums[r] lane j: the sum of v[j]'s half r.
+template <int W, int N>
+inline void fold_pairs(vfloat* v) {  // N vectors in, N / 2 out
+  for (int i = 0; i < N / 2; ++i) v[i] = fold<W>(v[2 * i], v[2 * i + 1], std::make_index_sequence<kLanes>{});
+  if constexpr (W > 1) fold_pairs<W / 2, N / 2>(v);
+}
+constexpr int half_lane_of_key(int r, int j) {  // where the folds leave half r of v[j]
+  constexpr int L = kLanes / 2;
+  int rev = 0;
+  for (int b = 1; b < L; b <<= 1) rev = (rev << 1) | ((j % L) & b ? 1 : 0);
+  return (j / L) * kLanes + r * L + rev;
+}
+template <size_t... I>
+inline void sum_lane_pairs(vfloat* v, vfloat* sums, std::index_sequence<I...>) {
+  fold_pairs<kLanes / 4, kLanes>(v);
+  sums[0] = __builtin_shufflevector(v[0], v[1], half_lane_of_key(0, I)...);
+  sums[1] = __builtin_shufflevector(v[0], v[1], half_lane_of_key(1, I)...);
+}
+
 constexpr float kMasked = -1e30f;  // score of a key a row cannot see
 
 // acc += p * v over D floats (vectors, then a scalar tail when D is not a multiple of kLanes).
@@ -122,7 +142,7 @@ class ItemRunner {
         queries_(static_cast<size_t>(d_) * kLanes),
         scores_(static_cast<size_t>(key_stride_) * kLanes), acc_(static_cast<size_t>(kLanes) * d_),
         kf_(std::is_same_v<T, float> ? 0 : static_cast<size_t>(s.block_size) * d_), vf_(kf_.size()),
-        dot_(kDotT && d_ % 32 == 0), qbits_(dot_ ? static_cast<size_t>(d_) * kLanes : 0),
+        dot_(kDotT && d_ % 32 == 0), qbits_(dot_ ? static_cast<size_t>(d_) * kLanes : 0), qpairs_(qbits_.size()),
         vpairs_(dot_ ? static_cast<size_t>(s.block_size + 1) * d_ : 0),
         ppairs_(dot_ ? static_cast<size_t>(s.block_size + 1) / 2 * kLanes : 0),
         zeros_(dot_ ? d_ : 0, c10::BFloat16(0.0f)) {}
@@ -215,7 +235,7 @@ class ItemRunner {
 
  private:
   static constexpr int64_t kPrefetchBytes = 4096;  // of K (and as much of V) ahead of the block in use
-  static constexpr int64_t kSpanKeys = 128;        // narrow items' keys per online-softmax step
+  static constexpr int64_t kSpanKeys = 64;         // narrow items' keys per online-softmax step
   // bf16 on CPUs with AVX512-BF16: scores by bf16 dot products read straight from the cache, queries kept
   // unscaled in bf16 (exact) and the scale applied to the fp32 scores.
   static constexpr bool kDotT = std::is_same_v<T, c10::BFloat16> && kBf16Dot;
@@ -231,7 +251,7 @@ class ItemRunner {
   template <typename U>
   static void prefetch(const U* p, int64_t n) {
     const char* c = reinterpret_cast<const char*>(p);
-    for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(U)); i += 64) __builtin_prefetch(c + i, 0, 2);
+    for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(U)); i += 64) __builtin_prefetch(c + i, 0, 3);
   }
 
   // Scaled queries: wide items as [D][kLanes] (padding rows zero), narrow ones as [rows][D]. With dot_,
@@ -248,6 +268,9 @@ class ItemRunner {
         for (int i = 0; i < D; i += 2) std::memcpy(qbits_.data() + ((i / 2) * kLanes + m) * 2, src + i, 4);
       } else if (dot_) {
         std::memcpy(qbits_.data() + m * D, src, D * sizeof(T));
+        for (int c = 0; c < D; c += kLanes) {  // rows paired for score_row_pair
+          std::memcpy(qpairs_.data() + (m / 2) * 2 * D + 2 * c + (m % 2) * kLanes, src + c, kLanes * sizeof(T));
+        }
       } else {
         for (int i = 0; i < D; ++i) queries_[wide_ ? i * kLanes + m : m * D + i] = to_float(src[i]) * s_.scale;
       }
@@ -372,7 +395,12 @@ class ItemRunner {
   void score_narrow(const float* k, const T* kb, int32_t base, int j0, int j1, int off, const T* ahead1,
                     const T* ahead2) {
     const int D = d();
-    for (int m = 0; m < rows_; ++m) {
+    int m = 0;
+    if (dot_) {
+      for (; m + 2 <= rows_; m += 2) score_row_pair(kb, base, j0, j1, off, m, m == 0 ? ahead1 : nullptr,
+                                                    m == 0 ? ahead2 : nullptr);
+    }
+    for (; m < rows_; ++m) {
       const float* q = queries_.data() + m * D;
       float* sc = scores_.data() + m * key_stride_ + off;
       for (int jc = j0; jc < j1; jc += kLanes) {
@@ -395,6 +423,38 @@ class ItemRunner {
         const vint pos = splat_int(base + jc) + iota();
         x = (pos >= lo_[m]) & (pos <= hi_[m]) & (pos < base + j1) ? x : splat(kMasked);
         store(sc + jc, x);
+      }
+    }
+  }
+
+  // score_narrow for rows m and m + 1 with dot_: each key's half-vector chunks broadcast against both rows'
+  // queries side by side, so one vector holds two rows' partial sums and the folds are shared.
+  void score_row_pair(const T* kb, int32_t base, int j0, int j1, int off, int m, const T* ahead1, const T* ahead2) {
+    if constexpr (kDotT) {
+      const int D = d();
+      const uint16_t* qp = qpairs_.data() + (m / 2) * 2 * D;  // [D / 16][row m's 16 values, row m + 1's]
+      for (int jc = j0; jc < j1; jc += kLanes) {
+        vfloat part[kLanes];
+        for (int i = 0; i < kLanes; ++i) {
+          const int64_t j = jc + i;
+          if (j >= j1) {
+            part[i] = vfloat{};
+            continue;
+          }
+          if (ahead1) prefetch(ahead1 + j * D, D);
+          if (ahead2) prefetch(ahead2 + j * D, D);
+          vfloat acc{};
+          for (int c = 0; c < D; c += kLanes) acc = dot_bf16_half(acc, qp + 2 * c, kb + j * D + c);
+          part[i] = acc;
+        }
+        vfloat x[2];
+        sum_lane_pairs(part, x, std::make_index_sequence<kLanes>{});
+        const vint pos = splat_int(base + jc) + iota();
+        for (int r = 0; r < 2; ++r) {
+          const vfloat y = (pos >= lo_[m + r]) & (pos <= hi_[m + r]) & (pos < base + j1) ? x[r] * s_.scale
+                                                                                          : splat(kMasked);
+          store(scores_.data() + (m + r) * key_stride_ + off + jc, y);
+        }
       }
     }
   }
@@ -622,7 +682,8 @@ class ItemRunner {
   const int64_t prefetch_blocks_;
   std::vector<float> queries_, scores_, acc_, kf_, vf_;
   const bool dot_;
-  std::vector<uint16_t> qbits_, vpairs_;  // with dot_: bf16 queries; a block's V interleaved by key pairs
+  // with dot_: bf16 queries; narrow ones again with rows paired (score_row_pair); a block's V interleaved by key pairs
+  std::vector<uint16_t> qbits_, qpairs_, vpairs_;
   std::vector<uint32_t> ppairs_;          // with dot_: per key pair, each row's two probabilities as bf16
   const std::vector<c10::BFloat16> zeros_;
   int rows_ = 0;
