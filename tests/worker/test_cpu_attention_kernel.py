@@ -217,6 +217,20 @@ def test_a_second_process_loads_the_cached_build():
     assert "loaded the cached build" in done.stderr
 
 
+def test_a_build_lock_left_by_a_killed_build_is_removed():
+    load_extension()
+    lock = cpu_attention.build_directory() / "lock"
+    lock.touch()  # as torch leaves it when its builder is killed mid-compile: a fresh one, nobody holding it
+    code = (
+        "import logging; logging.basicConfig(level=logging.INFO);"
+        "from worker.ops.cpu_attention import load_extension; load_extension()"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
+    assert "removing the build lock a killed build left" in done.stderr
+    assert "loaded the cached build" in done.stderr
+    assert not lock.exists()
+
+
 def test_a_missing_compiler_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler-here")
     with pytest.raises(CpuAttentionUnavailable, match="no C\\+\\+ compiler: 'no-such-compiler-here'"):

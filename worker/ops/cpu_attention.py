@@ -8,6 +8,7 @@ reason the extension cannot be had (no compiler, no ninja, a failed build) raise
 CpuAttentionUnavailable naming the cause; the caller falls back to the torch path.
 """
 
+import fcntl
 import functools
 import logging
 import os
@@ -24,7 +25,6 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "layer_ops.cpp", "module.cpp")]
 EXTENSION_NAME = "kvengine_paged_attention"
-STALE_LOCK_S = 600  # a build lock older than this was left by a process that died while compiling
 ISA_FLAGS = {
     "AVX512": [
         "-mavx512f",
@@ -132,19 +132,25 @@ def _build() -> ModuleType:
         raise CpuAttentionUnavailable("the ninja build tool is missing (pip install ninja)")
     folder = build_directory()
     folder.mkdir(parents=True, exist_ok=True)
-    _remove_stale_lock(folder / "lock")
     library = folder / f"{EXTENSION_NAME}.so"
-    before = library.stat().st_mtime_ns if library.exists() else None
     start = time.perf_counter()
     try:
-        module = cpp_extension.load(
-            name=EXTENSION_NAME,
-            sources=[str(source) for source in SOURCES],
-            # -fopenmp: at::parallel_for is inline and runs serially in code built without OpenMP
-            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast", *isa_flags()],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(folder),
-        )
+        with open(folder / "build.flock", "w") as flock:
+            # One process builds or loads at a time. The kernel drops a flock with its holder, so under it a
+            # torch build lock ("lock") can only be one a killed build left, on which torch would wait forever.
+            fcntl.flock(flock, fcntl.LOCK_EX)
+            if (folder / "lock").exists():
+                log.warning("removing the build lock a killed build left in %s", folder)
+                (folder / "lock").unlink()
+            before = library.stat().st_mtime_ns if library.exists() else None
+            module = cpp_extension.load(
+                name=EXTENSION_NAME,
+                sources=[str(source) for source in SOURCES],
+                # -fopenmp: at::parallel_for is inline and runs serially in code built without OpenMP
+                extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast", *isa_flags()],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
+            )
     except (RuntimeError, OSError, ImportError) as e:
         raise CpuAttentionUnavailable(f"building the CPU paged attention extension in {folder} failed: {e}") from e
     how = "compiled" if library.stat().st_mtime_ns != before else "loaded the cached build"
@@ -172,14 +178,3 @@ def cpu_flags() -> frozenset[str]:
             return frozenset(next(line for line in cpuinfo if line.startswith("flags")).split())
     except (OSError, StopIteration):
         return frozenset()
-
-
-def _remove_stale_lock(lock: Path) -> None:
-    """torch's build lock waits forever on a lock left by a killed build; drop one older than STALE_LOCK_S."""
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        log.warning("removing a stale build lock %s (%.0f s old)", lock, age)
-        lock.unlink(missing_ok=True)
