@@ -1,5 +1,7 @@
 """KV budget arithmetic with injected numbers; the smallest rank decides the block count."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -121,7 +123,7 @@ def test_cpu_kv_tensor_is_zeroed_aligned_and_on_huge_pages():
     t[1, 3, 299, 15, 31] = 2.5  # writable, to its last element
     assert t.sum().item() == 2.5
     try:
-        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:
         pytest.skip("no transparent huge pages on this kernel")
     if "[never]" in thp:
