@@ -78,31 +78,12 @@ inline vfloat dot_bf16_pair(vfloat acc, const void* a, uint32_t b_pair) {
   return reinterpret_cast<vfloat>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), (__m512bh)_mm512_loadu_si512(a),
                                                    (__m512bh)_mm512_set1_epi32(static_cast<int>(b_pair))));
 }
-// x[l] and y[l] rounded to bf16 (nearest even) as the l-th 32-bit lane: (x[l], y[l]) pairs for dot_bf16_pair.
-inline void pack_bf16_pairs(vfloat x, vfloat y, void* dst) {
-  static const __m512i kInterleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                                      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(y), reinterpret_cast<__m512>(x));
-  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(kInterleave, both));
-}
-// Two rows of 32 bf16 interleaved element by element: lo = a0 b0 a1 b1 .. a15 b15, hi = a16 b16 .. a31 b31.
-inline void interleave_bf16(const void* a, const void* b, void* lo, void* hi) {
-  static const __m512i kLo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                              39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  static const __m512i kHi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
-                                              55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
-  const __m512i va = _mm512_loadu_si512(a), vb = _mm512_loadu_si512(b);
-  _mm512_storeu_si512(lo, _mm512_permutex2var_epi16(va, kLo, vb));
-  _mm512_storeu_si512(hi, _mm512_permutex2var_epi16(va, kHi, vb));
-}
 #else
 constexpr bool kBf16Dot = false;
 // Declared only: callers use them under `if constexpr (kBf16Dot)`, which discards the calls on other CPUs.
 vfloat dot_bf16(vfloat acc, const void* a, const void* b);
 vfloat dot_bf16_half(vfloat acc, const void* a, const void* b);
 vfloat dot_bf16_pair(vfloat acc, const void* a, uint32_t b_pair);
-void pack_bf16_pairs(vfloat x, vfloat y, void* dst);
-void interleave_bf16(const void* a, const void* b, void* lo, void* hi);
 #endif
 
 // kLanes bf16 values as fp32.

@@ -130,7 +130,7 @@ struct Shape {
 // for all rows in one vector: queries transposed, one broadcast key element per step. Narrow items
 // (decodes: the heads of one kv head) take per-row dot products, kLanes keys at a time, summed
 // across lanes by a transposed reduction. Either way, per step: scores, online-softmax step, then
-// acc += p * V, K and V of the blocks ahead prefetched (blocks are scattered).
+// acc += p * V in fp32, K and V of the blocks ahead prefetched (blocks are scattered).
 template <typename T, int kD>
 class ItemRunner {
  public:
@@ -142,10 +142,8 @@ class ItemRunner {
         queries_(static_cast<size_t>(d_) * kLanes),
         scores_(static_cast<size_t>(key_stride_) * kLanes), acc_(static_cast<size_t>(kLanes) * d_),
         kf_(std::is_same_v<T, float> ? 0 : static_cast<size_t>(s.block_size) * d_), vf_(kf_.size()),
-        dot_(kDotT && d_ % 32 == 0), qbits_(dot_ ? static_cast<size_t>(d_) * kLanes : 0), qpairs_(qbits_.size()),
-        vpairs_(dot_ ? static_cast<size_t>(s.block_size + 1) * d_ : 0),
-        ppairs_(dot_ ? static_cast<size_t>(s.block_size + 1) / 2 * kLanes : 0),
-        zeros_(dot_ ? d_ : 0, c10::BFloat16(0.0f)) {}
+        dot_(kDotT && d_ % 32 == 0), qbits_(dot_ ? static_cast<size_t>(d_) * kLanes : 0), qpairs_(qbits_.size()) {}
+
 
   void run(const Item& it, const Request& rq) {
     const int64_t BS = s_.block_size;
@@ -197,9 +195,12 @@ class ItemRunner {
         const T* v = block_of(v_head, b);
         if (dot_) {
           score_wide_dot(k, static_cast<int32_t>(base), j0, j1);
-          accumulate_wide_dot(v, j0, j1);
         } else {
           score_wide(as_float(k, j0, j1, kf_), static_cast<int32_t>(base), j0, j1);
+        }
+        if constexpr (kInRegisters) {
+          accumulate_in_registers(v_head, rq, b, b + 1, -1, 1, kLanes);
+        } else {
           accumulate(as_float(v, j0, j1, vf_), scores_.data(), j0, j1, 1, kLanes);
         }
       }
@@ -218,8 +219,8 @@ class ItemRunner {
                        b0 == first ? block_of(v_head, b) : nullptr);
         }
         softmax_step_narrow(key_begin(b0), static_cast<int>((b1 - 1 - b0) * BS) + key_end(b1 - 1));
-        if constexpr (kNarrowInRegisters) {
-          accumulate_narrow(v_head, rq, b0, b1, last);
+        if constexpr (kInRegisters) {
+          accumulate_in_registers(v_head, rq, b0, b1, last, key_stride_, 1);
         } else {
           for (int64_t b = b0; b < b1; ++b) {
             if (b + span_blocks_ <= last) prefetch(block_of(v_head, b + span_blocks_), BS * D);
@@ -502,61 +503,8 @@ class ItemRunner {
     return acc;
   }
 
-  // accumulate for wide items by bf16 dot products over pairs of keys, as GPU kernels take P @ V: the
-  // probabilities rounded to bf16, V interleaved by key pairs (a missing last key counts as zero), fp32 sums.
-  void accumulate_wide_dot(const T* v, int j0, int j1) {
-    if constexpr (kDotT) {
-      const int D = d(), pairs = (j1 - j0 + 1) / 2;
-      for (int k = 0; k < pairs; ++k) {
-        const int j = j0 + 2 * k;
-        const T* second = j + 1 < j1 ? v + static_cast<int64_t>(j + 1) * D : zeros_.data();
-        for (int c = 0; c < D; c += 32) {
-          uint16_t* dst = vpairs_.data() + (static_cast<int64_t>(k) * D + c) * 2;
-          interleave_bf16(v + static_cast<int64_t>(j) * D + c, second + c, dst, dst + 32);
-        }
-        const vfloat p1 = j + 1 < j1 ? load(scores_.data() + (j + 1) * kLanes) : vfloat{};
-        pack_bf16_pairs(load(scores_.data() + j * kLanes), p1, ppairs_.data() + k * kLanes);
-      }
-      if constexpr (kD > 0) {
-        // kRows rows' accumulators stay in registers, kRows * kChunks independent dot-product chains.
-        constexpr int kChunks = kD / kLanes, kRows = kChunks >= 8 ? 1 : 8 / kChunks;
-        for (int m0 = 0; m0 < rows_; m0 += kRows) {
-          const int nr = std::min(kRows, rows_ - m0);
-          vfloat r[kRows][kChunks];
-          for (int m = 0; m < kRows; ++m) {
-            for (int c = 0; c < kChunks; ++c) {
-              r[m][c] = m < nr ? load(acc_.data() + (m0 + m) * kD + c * kLanes) * alpha_[m0 + m] : vfloat{};
-            }
-          }
-          for (int k = 0; k < pairs; ++k) {
-#pragma GCC unroll 8
-            for (int c = 0; c < kChunks; ++c) {
-              const uint16_t* vp = vpairs_.data() + (static_cast<int64_t>(k) * kD + c * kLanes) * 2;
-#pragma GCC unroll 8
-              for (int m = 0; m < kRows; ++m) r[m][c] = dot_bf16_pair(r[m][c], vp, ppairs_[k * kLanes + m0 + m]);
-            }
-          }
-          for (int m = 0; m < nr; ++m) {
-            for (int c = 0; c < kChunks; ++c) store(acc_.data() + (m0 + m) * kD + c * kLanes, r[m][c]);
-          }
-        }
-      } else {
-        for (int m = 0; m < rows_; ++m) {
-          float* acc = acc_.data() + static_cast<int64_t>(m) * D;
-          for (int c = 0; c < D; c += kLanes) {
-            vfloat r = load(acc + c) * alpha_[m];
-            for (int k = 0; k < pairs; ++k) {
-              r = dot_bf16_pair(r, vpairs_.data() + (static_cast<int64_t>(k) * D + c) * 2, ppairs_[k * kLanes + m]);
-            }
-            store(acc + c, r);
-          }
-        }
-      }
-    }
-  }
-
-  // Narrow items with a compile-time head size and fp32 or bf16 V: accumulate_narrow's register blocks.
-  static constexpr bool kNarrowInRegisters =
+  // A compile-time head size and fp32 or bf16 V: P x V by accumulate_in_registers.
+  static constexpr bool kInRegisters =
       kD > 0 && kD % kLanes == 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
 
   static vfloat load_as_float(const T* p) {
@@ -567,29 +515,33 @@ class ItemRunner {
     }
   }
 
-  // accumulate for narrow items, V read once per key for a block of rows: each key's V chunks are
-  // loaded (bf16 widened in registers) and added into kR rows' accumulators; when that makes fewer
-  // than 8 independent FMA chains, even and odd keys get accumulators of their own, summed at the end.
-  // Block columns [b0, b1); the first pass over V prefetches the next span's V (up to block column last).
-  void accumulate_narrow(const T* v_head, const Request& rq, int64_t b0, int64_t b1, int64_t last) {
-    if constexpr (kNarrowInRegisters) {
+  // accumulate with V read once per key for a block of rows: each key's V chunks are loaded (bf16 widened in
+  // registers) and added into kR rows' accumulators in fp32; when that makes fewer than 8 independent FMA
+  // chains, even and odd keys get accumulators of their own, summed at the end. Block columns [b0, b1), p(row,
+  // key t of the span) at scores_[row * row_stride + t * key_stride]; the first pass over V prefetches the
+  // next span's V (up to block column last).
+  void accumulate_in_registers(const T* v_head, const Request& rq, int64_t b0, int64_t b1, int64_t last,
+                               int row_stride, int key_stride) {
+    if constexpr (kInRegisters) {
       constexpr int kRows = std::clamp(16 / (kD / kLanes), 1, 4);
+      const int rs = row_stride, ks = key_stride;
       int m0 = 0;
-      for (; m0 + kRows <= rows_; m0 += kRows) accumulate_rows<kRows>(v_head, rq, b0, b1, m0, last);
+      for (; m0 + kRows <= rows_; m0 += kRows) accumulate_rows<kRows>(v_head, rq, b0, b1, m0, last, rs, ks);
       if constexpr (kRows > 2) {
         if (m0 + 2 <= rows_) {
-          accumulate_rows<2>(v_head, rq, b0, b1, m0, last);
+          accumulate_rows<2>(v_head, rq, b0, b1, m0, last, rs, ks);
           m0 += 2;
         }
       }
       if constexpr (kRows > 1) {
-        if (m0 < rows_) accumulate_rows<1>(v_head, rq, b0, b1, m0, last);
+        if (m0 < rows_) accumulate_rows<1>(v_head, rq, b0, b1, m0, last, rs, ks);
       }
     }
   }
 
   template <int kR>
-  void accumulate_rows(const T* v_head, const Request& rq, int64_t b0, int64_t b1, int m0, int64_t last) {
+  void accumulate_rows(const T* v_head, const Request& rq, int64_t b0, int64_t b1, int m0, int64_t last,
+                       int row_stride, int key_stride) {
     constexpr int kC = kD / kLanes, kS = kR * kC >= 8 ? 1 : 2;
     vfloat r[kS][kR][kC];
     for (int m = 0; m < kR; ++m) {
@@ -602,7 +554,7 @@ class ItemRunner {
       const T* ahead =
           m0 == 0 && b + span_blocks_ <= last ? v_head + rq.blocks[b + span_blocks_] * s_.block_size * kD : nullptr;
       const T* v = v_head + rq.blocks[b] * s_.block_size * kD;
-      const float* p = scores_.data() + m0 * key_stride_ + (b - b0) * s_.block_size;
+      const float* p = scores_.data() + m0 * row_stride + (b - b0) * s_.block_size * key_stride;
       auto add_key = [&](vfloat(&rs)[kR][kC], int j) {
         const T* vj = v + static_cast<int64_t>(j) * kD;
         if (ahead) prefetch(ahead + static_cast<int64_t>(j) * kD, kD);
@@ -610,7 +562,7 @@ class ItemRunner {
         for (int c = 0; c < kC; ++c) {
           const vfloat vc = load_as_float(vj + c * kLanes);
 #pragma GCC unroll 4
-          for (int m = 0; m < kR; ++m) rs[m][c] += splat(p[m * key_stride_ + j]) * vc;
+          for (int m = 0; m < kR; ++m) rs[m][c] += splat(p[m * row_stride + j * key_stride]) * vc;
         }
       };
       const int j1 = key_end(b);
@@ -682,10 +634,7 @@ class ItemRunner {
   const int64_t prefetch_blocks_;
   std::vector<float> queries_, scores_, acc_, kf_, vf_;
   const bool dot_;
-  // with dot_: bf16 queries; narrow ones again with rows paired (score_row_pair); a block's V interleaved by key pairs
-  std::vector<uint16_t> qbits_, qpairs_, vpairs_;
-  std::vector<uint32_t> ppairs_;          // with dot_: per key pair, each row's two probabilities as bf16
-  const std::vector<c10::BFloat16> zeros_;
+  std::vector<uint16_t> qbits_, qpairs_;  // with dot_: bf16 queries; narrow ones again with rows paired
   int rows_ = 0;
   bool wide_ = false;
   int32_t lo_[kLanes], hi_[kLanes];  // per row: first and last visible key position
