@@ -9,8 +9,9 @@
 // The work is split into items: (request, kv head, up to one vector's lanes of (query token, q head)
 // rows); the rows of one item share every K/V block they read. Items run largest first on torch's
 // intra-op threads, taken from a shared counter. Each item walks the blocks its rows can see with an
-// online softmax in fp32: a block per step for wide items, a span of blocks per step for narrow ones. Keys outside [first visible key, last query] are never
-// touched, so null blocks (skipped by a sliding window) and unwritten slots are never read.
+// online softmax in fp32: a block per step for wide items, a span of blocks per step for narrow ones.
+// Keys outside [first visible key, last query] are never touched, so null blocks (skipped by a sliding
+// window) and unwritten slots are never read.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -208,7 +209,9 @@ class ItemRunner {
       // A span of blocks at a time: scores of all its keys, one online-softmax step, then P x V. The
       // next span's blocks are prefetched a key at a time as this span's are read (a burst of
       // prefetches would stall on the line fill buffers): K while scoring, V while accumulating.
-      for (int64_t b = first; b < std::min(first + prefetch_blocks_, last + 1); ++b) prefetch(block_of(k_head, b), BS * D);
+      for (int64_t b = first; b < std::min(first + prefetch_blocks_, last + 1); ++b) {
+        prefetch(block_of(k_head, b), BS * D);
+      }
       for (int64_t b0 = first; b0 <= last; b0 += span_blocks_) {
         const int64_t b1 = std::min(last + 1, b0 + span_blocks_);
         for (int64_t b = b0; b < b1; ++b) {
@@ -244,7 +247,9 @@ class ItemRunner {
   int d() const { return kD > 0 ? kD : d_; }
 
   // The keys of block column b that some row sees: [key_begin(b), key_end(b)) within the block.
-  int key_begin(int64_t b) const { return static_cast<int>(std::max<int64_t>(lo_min_, b * s_.block_size) - b * s_.block_size); }
+  int key_begin(int64_t b) const {
+    return static_cast<int>(std::max<int64_t>(lo_min_, b * s_.block_size) - b * s_.block_size);
+  }
   int key_end(int64_t b) const {
     return static_cast<int>(std::min<int64_t>(hi_max_ + 1, (b + 1) * s_.block_size) - b * s_.block_size);
   }
