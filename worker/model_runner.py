@@ -58,7 +58,7 @@ class ModelRunner:
         num_blocks = cfg.num_blocks + (1 if self.cuda_graph_sizes else 0)
         shape = (2, m.kv_heads_per_rank, num_blocks, self.block_size, m.cfg.head_dim)
         num_tensors = max(len(g.layer_names) for g in groups)
-        if torch.device(device).type == "cpu":
+        if device.type == "cpu":
             self.kv_tensors = [cpu_zeros_huge_pages(shape, dtype) for _ in range(num_tensors)]
         else:
             self.kv_tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_tensors)]

@@ -207,27 +207,28 @@ def test_a_visible_null_block_is_refused():
         run(b)
 
 
-def test_a_second_process_loads_the_cached_build():
-    load_extension()
+def load_in_another_process() -> str:
+    """load_extension() in a fresh interpreter; its log."""
     code = (
         "import logging; logging.basicConfig(level=logging.INFO);"
         "from worker.ops.cpu_attention import load_extension; load_extension()"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
-    assert "loaded the cached build" in done.stderr
+    return done.stderr
+
+
+def test_a_second_process_loads_the_cached_build():
+    load_extension()
+    assert "loaded the cached build" in load_in_another_process()
 
 
 def test_a_build_lock_left_by_a_killed_build_is_removed():
     load_extension()
     lock = cpu_attention.build_directory() / "lock"
     lock.touch()  # as torch leaves it when its builder is killed mid-compile: a fresh one, nobody holding it
-    code = (
-        "import logging; logging.basicConfig(level=logging.INFO);"
-        "from worker.ops.cpu_attention import load_extension; load_extension()"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
-    assert "removing the build lock a killed build left" in done.stderr
-    assert "loaded the cached build" in done.stderr
+    log = load_in_another_process()
+    assert "removing the build lock a killed build left" in log
+    assert "loaded the cached build" in log
     assert not lock.exists()
 
 

@@ -93,9 +93,7 @@ inline void sum_lane_pairs(vfloat* v, vfloat* sums, std::index_sequence<I...>) {
 constexpr float kMasked = -1e30f;  // score of a key a row cannot see
 
 // acc += p * v over D floats (vectors, then a scalar tail when D is not a multiple of kLanes).
-template <int kD>
 inline void axpy(float* acc, float p, const float* v, int D) {
-  if constexpr (kD > 0) D = kD;
   const vfloat pv = splat(p);
   int d = 0;
   for (; d + kLanes <= D; d += kLanes) store(acc + d, load(acc + d) + pv * load(v + d));
@@ -200,7 +198,7 @@ class ItemRunner {
           score_wide(as_float(k, j0, j1, kf_), static_cast<int32_t>(base), j0, j1);
         }
         if constexpr (kInRegisters) {
-          accumulate_in_registers(v_head, rq, b, b + 1, -1, 1, kLanes);
+          accumulate_in_registers(v_head, rq, b, b + 1, -1, 1, kLanes);  // last -1: the loop prefetches V
         } else {
           accumulate(as_float(v, j0, j1, vf_), scores_.data(), j0, j1, 1, kLanes);
         }
@@ -508,15 +506,18 @@ class ItemRunner {
     return acc;
   }
 
-  // A compile-time head size and fp32 or bf16 V: P x V by accumulate_in_registers.
-  static constexpr bool kInRegisters =
-      kD > 0 && kD % kLanes == 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
+  // A compile-time head size: P x V by accumulate_in_registers (else by accumulate, through fp32 scratch).
+  static constexpr bool kInRegisters = kD > 0 && kD % kLanes == 0;
 
   static vfloat load_as_float(const T* p) {
     if constexpr (std::is_same_v<T, float>) {
       return load(p);
-    } else {
+    } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
       return load_bf16(p);
+    } else {
+      vfloat x;
+      for (int i = 0; i < kLanes; ++i) x[i] = static_cast<float>(p[i]);
+      return x;
     }
   }
 
@@ -594,20 +595,8 @@ class ItemRunner {
     for (int m = 0; m < rows_; ++m) {
       float* acc = acc_.data() + static_cast<int64_t>(m) * D;
       const float* p = scores + m * row_stride;
-      const float a = alpha_[m];
-      if constexpr (kD > 0 && kD % kLanes == 0) {  // the row's accumulator stays in registers
-        vfloat r[kD / kLanes];
-        for (int c = 0; c < kD / kLanes; ++c) r[c] = load(acc + c * kLanes) * a;
-        for (int j = j0; j < j1; ++j) {
-          const vfloat pj = splat(p[j * key_stride]);
-          const float* vj = v + static_cast<int64_t>(j) * kD;
-          for (int c = 0; c < kD / kLanes; ++c) r[c] += pj * load(vj + c * kLanes);
-        }
-        for (int c = 0; c < kD / kLanes; ++c) store(acc + c * kLanes, r[c]);
-      } else {
-        for (int i = 0; i < D; ++i) acc[i] *= a;
-        for (int j = j0; j < j1; ++j) axpy<kD>(acc, p[j * key_stride], v + static_cast<int64_t>(j) * D, D);
-      }
+      for (int i = 0; i < D; ++i) acc[i] *= alpha_[m];
+      for (int j = j0; j < j1; ++j) axpy(acc, p[j * key_stride], v + static_cast<int64_t>(j) * D, D);
     }
   }
 
