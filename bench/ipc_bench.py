@@ -6,8 +6,10 @@ round trip of the same bytes (the encoded SchedulerOutput to every rank, the Mod
 Beside the wall time of a step it prints the CPU time the engine-core thread and rank 0's worker
 spent on it (less moved by other processes on a shared machine), and with --breakdown the parts
 of one step in one process: schedule(), the executor, update_from_output() and the msgspec codecs.
+With --async-scheduling each configuration also runs with step N+1 sent before step N is applied
+(interleaved with the synchronous run), so the engine core's work overlaps the workers'.
 
-    python bench/ipc_bench.py [--running 256] [--steps 300] [--tp 1 2 4] [--breakdown]
+    python bench/ipc_bench.py [--running 256] [--steps 300] [--tp 1 2 4] [--breakdown] [--async-scheduling]
 """
 
 import argparse
@@ -85,28 +87,33 @@ def decoding_core(config, executor, running: int, steps: int) -> EngineCore:
     return core
 
 
-def bench_config(tp: int, running: int):
+def bench_config(tp: int, running: int, async_scheduling: bool = False):
     blocks = running * 80
     return engine_config(max_model_len=4096, max_num_seqs=running, max_num_batched_tokens=8192,
-                         tensor_parallel_size=tp, kv_cache_memory_bytes=[blocks * SPEC.page_size_bytes])
+                         tensor_parallel_size=tp, kv_cache_memory_bytes=[blocks * SPEC.page_size_bytes],
+                         async_scheduling=async_scheduling)
 
 
-def engine_steps(tp: int, running: int, steps: int, tmpdir: str) -> tuple[list[float], list[float], list[float], int, int]:
+def engine_steps(tp: int, running: int, steps: int, tmpdir: str,
+                 async_scheduling: bool) -> tuple[list[float], list[float], list[float], int, int]:
     """Per EngineCore.step() with `running` requests decoding: wall and engine-thread CPU microseconds,
-    rank 0's worker CPU microseconds; also message sizes."""
+    rank 0's worker CPU microseconds; also message sizes (0 with async scheduling: a step by hand would
+    cut in between the steps in flight)."""
     ctx = zmq.Context()
     address = f"ipc://{tmpdir}/workers-{tp}.sock"
-    config = bench_config(tp, running)
+    config = bench_config(tp, running, async_scheduling)
     configs = worker_configs(config, address, "")
     worker_cpu_file = os.path.join(tmpdir, f"worker-cpu-{tp}")
     os.environ[WORKER_CPU_FILE] = worker_cpu_file
     executor = MultiprocExecutor(ctx, address, configs, entry=(sys.executable, os.path.abspath(__file__), "--worker"))
     core = decoding_core(config, executor, running, steps)
-    so = core.scheduler.schedule()  # one decode step by hand, to learn the message sizes
-    out = executor.execute_model(so)
-    core.scheduler.update_from_output(so, out)
-    so_bytes = len(engine_to_worker_codec().encode(so))
-    out_bytes = len(worker_to_engine_codec().encode(out))
+    so_bytes = out_bytes = 0
+    if not async_scheduling:
+        so = core.scheduler.schedule()  # one decode step by hand, to learn the message sizes
+        out = executor.execute_model(so)
+        core.scheduler.update_from_output(so, out)
+        so_bytes = len(engine_to_worker_codec().encode(so))
+        out_bytes = len(worker_to_engine_codec().encode(out))
     times, cpu = [], []
     for _ in range(steps):
         start, start_cpu = time.perf_counter(), time.thread_time()
@@ -207,19 +214,28 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--breakdown", action="store_true", help="also time each part of a step in one process")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="also run each configuration with async scheduling (right after the synchronous run)")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat every row this many times, interleaved")
     args = parser.parse_args()
     print(f"engine-core step with an instant model, {args.running} running requests decoding, "
           f"{args.steps} steps per row (medians; mean in brackets; CPU: engine-core thread, rank 0 worker)")
-    print(f"{'TP':>3} {'step us':>16} {'engine CPU':>10} {'worker CPU':>10} {'bare zmq us':>16} {'ratio':>6} "
+    print(f"{'TP':>3} {'mode':>5} {'step us':>16} {'engine CPU':>10} {'worker CPU':>10} {'bare zmq us':>16} {'ratio':>6} "
           f"{'SchedulerOutput':>16} {'output':>8}")
+    modes = (False, True) if args.async_scheduling else (False,)
     with tempfile.TemporaryDirectory() as tmpdir:
-        for tp in args.tp:
-            times, cpu, worker_cpu, so_bytes, out_bytes = engine_steps(tp, args.running, args.steps, tmpdir)
-            bare = bare_round_trips(tp, so_bytes, out_bytes, args.steps, tmpdir)
-            step, rt = statistics.median(times), statistics.median(bare)
-            print(f"{tp:>3} {step:>8.0f} [{statistics.mean(times):>5.0f}] {statistics.median(cpu):>10.0f} "
-                  f"{statistics.median(worker_cpu):>10.0f} {rt:>8.0f} [{statistics.mean(bare):>5.0f}] "
-                  f"{step / rt:>6.1f} {so_bytes:>14} B {out_bytes:>6} B")
+        for _ in range(args.rounds):
+            for tp in args.tp:
+                sizes = (0, 0)
+                for async_scheduling in modes:
+                    times, cpu, worker_cpu, *msg_sizes = engine_steps(tp, args.running, args.steps, tmpdir,
+                                                                      async_scheduling)
+                    sizes = sizes if async_scheduling else (msg_sizes[0], msg_sizes[1])
+                    bare = bare_round_trips(tp, *sizes, args.steps, tmpdir)
+                    step, rt = statistics.median(times), statistics.median(bare)
+                    print(f"{tp:>3} {'async' if async_scheduling else 'sync':>5} {step:>8.0f} [{statistics.mean(times):>5.0f}] "
+                          f"{statistics.median(cpu):>10.0f} {statistics.median(worker_cpu):>10.0f} {rt:>8.0f} "
+                          f"[{statistics.mean(bare):>5.0f}] {step / rt:>6.1f} {sizes[0]:>14} B {sizes[1]:>6} B")
     if args.breakdown:
         breakdown(args.running, args.steps)
 

@@ -1,7 +1,9 @@
-"""EngineCore: start-up sizing, then schedule -> execute -> update, one step at a time."""
+"""EngineCore: start-up sizing, then schedule -> execute -> update, one step at a time (or, with async
+scheduling, step N+1 scheduled and sent before step N's output is applied)."""
 
 import logging
 import time
+from collections import deque
 
 from engine_core.executor_interface import Executor
 from engine_core.kv_cache.planning import KVCacheSizingError, capacity_line, get_kv_cache_config
@@ -12,6 +14,7 @@ from protocol import (
     EngineCoreRequest,
     KVCacheConfig,
     KVCacheEvent,
+    SchedulerOutput,
     SchedulerStats,
     WorkerKVReport,
 )
@@ -73,6 +76,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.config, self.kv_cache_config, self.max_model_len,
                                    reports[0].eos_token_ids, reports[0].vocab_size)
         self._pending: list[EngineCoreOutput] = []  # rejections and aborts, sent with the next step
+        self.async_scheduling = config.scheduler.async_scheduling
+        self._in_flight: deque[SchedulerOutput] = deque()  # async scheduling: sent, output not applied yet
 
     def add_request(self, request: EngineCoreRequest) -> EngineCoreOutput | None:
         """Queue a request; if it can never run, its error output (also sent with the next step's outputs)."""
@@ -85,17 +90,36 @@ class EngineCore:
         self._pending.extend(self.scheduler.abort_requests(request_ids))
 
     def has_work(self) -> bool:
-        return self.scheduler.has_requests() or bool(self._pending)
+        return self.scheduler.has_requests() or bool(self._pending) or bool(self._in_flight)
 
     def step(self) -> EngineCoreOutputs:
         outputs, self._pending = self._pending, []
-        if self.scheduler.has_requests():
+        if self.async_scheduling:
+            outputs += self._step_async()
+        elif self.scheduler.has_requests():
             scheduler_output = self.scheduler.schedule()
             so = scheduler_output
             if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
                 model_output = self.executor.execute_model(scheduler_output)
                 outputs += self.scheduler.update_from_output(scheduler_output, model_output)
         return EngineCoreOutputs(outputs, time.time())
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        """Schedule and send the next step, then apply the oldest one once two are in flight (or nothing
+        new was sent): the workers have step N+1 queued while the engine core applies step N and routes
+        its outputs. Decisions follow vLLM's batch queue of two, so they do not depend on timing."""
+        in_flight = self._in_flight
+        if self.scheduler.has_requests():
+            so = self.scheduler.schedule()
+            if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
+                self.executor.submit(so)
+                in_flight.append(so)
+                if len(in_flight) < 2:
+                    return []
+        if not in_flight:
+            return []
+        so = in_flight.popleft()
+        return self.scheduler.update_from_output(so, self.executor.collect(so))
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """Ledger events since the last call (empty unless enable_kv_cache_events)."""

@@ -5,6 +5,7 @@ full lists and appended ids) and checks them, so tests and simulations exercise 
 protocol without a model.
 """
 
+from engine_core.executor_interface import InlineExecutor
 from protocol import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -23,7 +24,7 @@ def reference_next_token(token_ids: list[int], vocab_size: int) -> int:
     return (token_ids[-1] * 31 + len(token_ids) * 7 + 3) % vocab_size
 
 
-class ReferenceExecutor:
+class ReferenceExecutor(InlineExecutor):
     def __init__(
         self,
         available_kv_bytes: list[int] | None = None,

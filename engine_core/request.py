@@ -56,6 +56,11 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Async scheduling: tokens of scheduled steps whose output has not come back yet (counted in
+        # num_computed_tokens, not in all_token_ids); at preemption they become stale: delivered, not recomputed.
+        self.num_output_placeholders = 0
+        self.num_stale_output_tokens = 0
+        self.admitted_step = 0  # the step that last moved it from waiting to running
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []

@@ -7,6 +7,13 @@ prompt does not take the whole budget; with enable_chunked_prefill off a waiting
 tokens do not fit the remaining budget is not split, and admissions stop until a later step.
 When a running request cannot get a block, the newest running request (or, with the priority
 policy, the least important) is preempted: its blocks are freed and it is recomputed later.
+
+With async_scheduling the engine core schedules step N+1 before step N's output is back, as vLLM's
+AsyncScheduler does: a request whose step N samples a token holds one output placeholder, counted in
+num_computed_tokens but not yet in its tokens, so step N+1 can feed it (the workers know the token).
+A request that stops on a token is therefore computed one step more, and that output is dropped; one
+whose step in flight reaches its length limit is not scheduled again. A request preempted with a step
+in flight still gets that step's token (it is stale: appended, never recomputed).
 """
 
 from collections.abc import Iterable
@@ -69,6 +76,7 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_usable_blocks = kv_cache_config.num_blocks - 1
+        self.async_scheduling = config.scheduler.async_scheduling
 
     # ---- requests in and out ---------------------------------------------------------------
 
@@ -151,8 +159,12 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new_tokens = len(request.all_token_ids) - request.num_computed_tokens  # _cap_long_prefill, inline
-            if 0 < threshold < num_new_tokens:
+            placeholders = request.num_output_placeholders
+            if placeholders and request.num_computed_tokens + 1 >= self._length_limit(request):
+                i += 1  # async: the step in flight samples its last token
+                continue
+            num_new_tokens = len(request.all_token_ids) + placeholders - request.num_computed_tokens
+            if 0 < threshold < num_new_tokens:  # _cap_long_prefill, inline
                 num_new_tokens = threshold
             num_new_tokens = min(num_new_tokens, budget)
             if num_new_tokens <= 0:
@@ -202,6 +214,7 @@ class Scheduler:
             self.running.append(request)
             scheduled_new.append(request)
             request.status = RequestStatus.RUNNING
+            request.admitted_step = self.step + 1  # an admission always sends a step
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
@@ -214,6 +227,10 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         return threshold if 0 < threshold < num_new_tokens else num_new_tokens
 
+    def _length_limit(self, request: Request) -> int:
+        """Tokens at which the request is length-capped: max_tokens outputs or max_model_len."""
+        return min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len)
+
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
@@ -224,6 +241,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_stale_output_tokens, request.num_output_placeholders = request.num_output_placeholders, 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -260,6 +278,10 @@ class Scheduler:
             r.num_computed_tokens += num_scheduled_tokens[rid]  # tokens count as computed once scheduled
         for r in scheduled_new:
             r.num_computed_tokens += num_scheduled_tokens[r.request_id]
+        if self.async_scheduling:  # a step that reaches a request's last known token samples one more
+            for r in (*scheduled_running, *scheduled_new):
+                if r.num_computed_tokens >= len(r.all_token_ids) + r.num_output_placeholders:
+                    r.num_output_placeholders += 1
         cached = CachedRequestData(req_ids=req_ids, new_block_ids=new_block_ids, num_computed_tokens=num_computed)
         digests = None
         if self.config.check_block_tables:
@@ -288,18 +310,30 @@ class Scheduler:
         outputs = []
         num_generated = 0
         num_finished = 0
+        async_scheduling, step = self.async_scheduling, scheduler_output.step
         for req_id, token_ids, token_logprobs in _sampled_rows(scheduler_output, model_runner_output):
             request = requests.get(req_id)
-            if request is None or request.status != running_status:
-                continue  # aborted or preempted while the step ran
-            if not token_ids:
-                continue  # a prefill chunk: nothing sampled yet
+            if request is None or not token_ids or request.admitted_step > step:
+                continue  # finished or aborted while the step ran (its id maybe taken since), or nothing sampled
+            running = request.status == running_status
+            if running:
+                if async_scheduling:
+                    request.num_output_placeholders -= len(token_ids)
+            elif request.num_stale_output_tokens:  # async: preempted while this step ran
+                request.num_stale_output_tokens -= len(token_ids)
+            else:
+                continue  # a request that took a finished one's id while the step ran
             if not request.output_token_ids:
                 self.num_prompt_tokens += request.num_prompt_tokens
             new_token_ids, status = append_tokens(request, token_ids)
             num_generated += len(new_token_ids)
+            if async_scheduling and running:
+                self.kv_cache_manager.cache_blocks(
+                    request, request.num_computed_tokens - request.num_output_placeholders)
             reason = None
             if status is not None:
+                if not running:
+                    self.waiting.remove(request)
                 self._finish(request, status)
                 reason = FINISH_REASON[status]
                 num_finished += 1

@@ -259,8 +259,15 @@ class MultiprocExecutor:
         assert all(r.num_blocks == kv_cache_config.num_blocks for r in ready.values())
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        step = scheduler_output.step
+        self.submit(scheduler_output)
+        return self.collect(scheduler_output)
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
         self._send_all(scheduler_output)
+
+    def collect(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Rank 0's output of this step; workers run steps in the order they were sent."""
+        step = scheduler_output.step
         deadline = time.monotonic() + self.step_timeout if self.step_timeout else None
         while True:
             try:

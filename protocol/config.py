@@ -80,6 +80,9 @@ class SchedulerConfig(_Area, frozen=True):
         "share of blocks kept free when admitting a request while others run")] = 0.0
     check_block_tables: Annotated[bool, setting(
         "every step carries a digest of each scheduled request's blocks; workers verify their tables")] = False
+    async_scheduling: Annotated[bool, setting(
+        "schedule step N+1 while the workers run step N (vLLM's async scheduling): the engine core's work hides "
+        "behind the forward; a request that stops is computed one step more, and that token is dropped")] = False
 
 
 class ParallelConfig(_Area, frozen=True):

@@ -174,6 +174,11 @@ class KVCacheManager:
                 f"block size {self.hash_block_size} (get_request_block_hasher({self.hash_block_size}, ...))"
             )
 
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Hash-register the blocks that num_computed_tokens fills (async scheduling: once their tokens are known)."""
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request, num_computed_tokens)
+
     def free(self, request: Request) -> None:
         self.coordinator.free(request.request_id)
 

@@ -125,6 +125,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, SimConfig
     for name in NO_MODEL_SETTINGS:
         if _setting(config, name) != _setting(EngineConfig(), name):
             raise ValueError(f"--{name.replace('_', '-')} has no effect: no model runs in a simulation")
+    if config.scheduler.async_scheduling:
+        raise ValueError("--async-scheduling is not replayed: the simulated clock prices one step at a time")
     if args.kv_cache_tokens is not None and config.cache.num_gpu_blocks_override is not None:
         raise ValueError("give --kv-cache-tokens or --num-gpu-blocks-override, not both")
     sim = SimConfig(

@@ -20,6 +20,7 @@ cached prefix survives); tune them with the flags to model your hardware.
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine_core.executor_interface import InlineExecutor
 from engine_core.reference_executor import ReferenceExecutor
 from launch.simulate.tokens import VOCAB_SIZE
 from protocol import FullAttentionSpec, KVCacheConfig, ModelRunnerOutput, SchedulerOutput, WorkerKVReport
@@ -48,7 +49,7 @@ def sim_next_token(position: int) -> int:
     return (position * 2654435761 + 12345) % VOCAB_SIZE
 
 
-class SimExecutor:
+class SimExecutor(InlineExecutor):
     """Follows SchedulerOutputs like a worker, minus the work a replay does not need (see module doc)."""
 
     def __init__(

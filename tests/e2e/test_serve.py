@@ -55,6 +55,31 @@ def test_concurrent_streamed_requests_match_in_process_engine(start_server, tp):
     assert [tokens for tokens, _ in results] == in_process_greedy(batch, GREEDY, dtype="float32")
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_async_scheduling_serves_the_same_tokens_and_stops_where_asked(start_server, tp):
+    """Step N+1 goes to the workers before step N's tokens are applied: a request that stops is computed
+    once more and that token must never reach its client."""
+    from tests.e2e.in_process import in_process_greedy
+
+    server = start_server("-tp", str(tp), "--async-scheduling", *FP32, *SMALL)
+    asyncio.run(server.wait_ready())
+    batch = prompts(16, seed=30 + tp)
+    want = in_process_greedy(batch, GREEDY, dtype="float32")
+    stops = [None if i % 2 else want[i][i % GREEDY.max_tokens] for i in range(len(batch))]
+    params = [GREEDY if stop is None else SamplingParams(max_tokens=GREEDY.max_tokens, temperature=0.0,
+                                                         ignore_eos=True, stop_token_ids=[stop]) for stop in stops]
+
+    async def run_all():
+        async with AsyncEngineClient(server.address) as client:
+            return await asyncio.gather(*(collect(client, p, sp) for p, sp in zip(batch, params, strict=True)))
+
+    for (tokens, last), expected, stop in zip(asyncio.run(run_all()), want, stops, strict=True):
+        if stop is None:
+            assert (tokens, last.finish_reason) == (expected, "length")
+        else:
+            assert (tokens, last.finish_reason) == (expected[: expected.index(stop) + 1], "stop")
+
+
 def test_sliding_window_model_served_with_two_ranks_matches_in_process_engine(start_server, tmp_path):
     """A Qwen2 model whose last two layers slide: two KV cache groups, the hybrid coordinator, TP 2."""
     from launch.cli import main

@@ -74,7 +74,7 @@ ops = st.lists(
 )
 
 
-def drive(ops, num_blocks, budget, max_num_seqs, policy, prefix_caching) -> None:
+def drive(ops, num_blocks, budget, max_num_seqs, policy, prefix_caching, **config_kwargs) -> None:
     """Apply the ops to a fresh EngineCore, checking everything after every step, then drain it."""
     core, ex = make_core(
         num_blocks=num_blocks,
@@ -83,6 +83,7 @@ def drive(ops, num_blocks, budget, max_num_seqs, policy, prefix_caching) -> None
         max_num_seqs=max_num_seqs,
         policy=policy,
         prefix_caching=prefix_caching,
+        **config_kwargs,
     )
     manager = core.scheduler.kv_cache_manager
     replay = Replayer()
