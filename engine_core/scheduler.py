@@ -3,7 +3,7 @@
 There are no prefill or decode phases. Each step every request gets as many of its uncomputed
 tokens as the budget allows, so long prompts are prefilled in chunks beside decoding requests.
 With long_prefill_token_threshold a request gets at most that many tokens a step, so one long
-prompt does not take the whole budget; with enable_chunked_prefill off a waiting request whose
+prompt does not take the whole budget (unless it is the only request); with enable_chunked_prefill off a waiting request whose
 tokens do not fit the remaining budget is not split, and admissions stop until a later step.
 When a running request cannot get a block, the newest running request (or, with the priority
 policy, the least important) is preempted: its blocks are freed and it is recomputed later.
@@ -155,7 +155,7 @@ class Scheduler:
 
         running = self.running  # changed in place by preemption
         allocate_slots = self.kv_cache_manager.allocate_slots
-        threshold = self.config.long_prefill_token_threshold
+        threshold = self._long_prefill_threshold()
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -164,7 +164,7 @@ class Scheduler:
                 i += 1  # async: the step in flight samples its last token
                 continue
             num_new_tokens = len(request.all_token_ids) + placeholders - request.num_computed_tokens
-            if 0 < threshold < num_new_tokens:  # _cap_long_prefill, inline
+            if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             num_new_tokens = min(num_new_tokens, budget)
             if num_new_tokens <= 0:
@@ -196,7 +196,9 @@ class Scheduler:
         while not preempted and len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_new_tokens = self._cap_long_prefill(request.num_tokens - num_hit_tokens)
+            num_new_tokens = request.num_tokens - num_hit_tokens
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
             if not self.config.enable_chunked_prefill and num_new_tokens > budget:
                 break  # not split: it stays at the head of the queue until a step has room for all of it
             num_new_tokens = min(num_new_tokens, budget)
@@ -223,9 +225,12 @@ class Scheduler:
 
         return self._make_output(scheduled_new, scheduled_running, new_blocks, num_scheduled_tokens, preempted)
 
-    def _cap_long_prefill(self, num_new_tokens: int) -> int:
-        threshold = self.config.long_prefill_token_threshold
-        return threshold if 0 < threshold < num_new_tokens else num_new_tokens
+    def _long_prefill_threshold(self) -> int:
+        """The threshold keeps a long prompt from starving the others of the budget: with no other request
+        running or waiting, as in vLLM, there is nobody to starve and it is off for this step."""
+        if len(self.running) + len(self.waiting) <= 1:
+            return 0
+        return self.config.long_prefill_token_threshold
 
     def _length_limit(self, request: Request) -> int:
         """Tokens at which the request is length-capped: max_tokens outputs or max_model_len."""

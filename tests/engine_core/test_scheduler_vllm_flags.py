@@ -49,7 +49,9 @@ def check_flags(core: EngineCore, so: SchedulerOutput) -> None:
     """Every scheduled request gets min(uncomputed, threshold) tokens unless the budget ran out on it;
     with chunked prefill off, an admitted request is never cut by the budget."""
     config = core.config.scheduler
-    threshold = config.long_prefill_token_threshold
+    # off in a step where one request runs or waits (schedule() moves requests, it finishes none)
+    alone = len(core.scheduler.running) + len(core.scheduler.waiting) <= 1
+    threshold = 0 if alone else config.long_prefill_token_threshold
     new_ids = {r.req_id for r in so.scheduled_new_reqs}
     for rid, n in so.num_scheduled_tokens.items():
         request = core.scheduler.requests[rid]  # already advanced by n; outputs not yet appended
@@ -76,6 +78,20 @@ def test_threshold_400_splits_the_budget_over_three_long_prompts():
         {"a": 1, "b": 1, "c": 1},
         {"c": 1},
     ]
+    assert_greedy_tokens(results, prompts, 3)
+    assert_pool_empty(core)
+
+
+def test_threshold_is_off_for_a_request_with_nobody_to_starve():
+    """As vLLM: the cap protects other requests' share of the budget; a lone prompt takes the whole budget,
+    and the cap comes back as soon as another request waits."""
+    core, ex = make_core(budget=1024, long_prefill_token_threshold=100)
+    prompts = {"a": prompt_of(1, 900), "b": prompt_of(2, 300)}
+    core.add_request(make_request("a", prompts["a"], max_tokens=3))
+    core.step()
+    core.add_request(make_request("b", prompts["b"], max_tokens=3, arrival_time=1.0))
+    results = run(core, ex)
+    assert steps(ex)[:4] == [{"a": 900}, {"a": 1, "b": 100}, {"a": 1, "b": 100}, {"b": 100}]
     assert_greedy_tokens(results, prompts, 3)
     assert_pool_empty(core)
 
@@ -113,16 +129,22 @@ def test_threshold_counts_the_tokens_left_after_a_prefix_hit():
 def test_threshold_applies_to_a_resumed_request_with_outputs():
     """A preempted request is recomputed from its prompt plus outputs, threshold tokens a step."""
     core, ex = make_core(num_blocks=9, max_model_len=128, budget=256, long_prefill_token_threshold=24)
-    prompts = {"a": prompt_of(1, 40), "b": prompt_of(2, 40)}  # 8 usable blocks: 3 each at admission
+    prompts = {"a": prompt_of(1, 40), "b": prompt_of(2, 40), "c": prompt_of(3, 20)}  # 8 usable blocks
     add_all(core, prompts, max_tokens=60)
-    ex.on_execute = lambda so: check_flags(core, so)
+    alone: dict[int, bool] = {}  # per step: one request running or waiting, so the threshold is off
+
+    def on_execute(so: SchedulerOutput) -> None:
+        check_flags(core, so)
+        alone[so.step] = len(core.scheduler.running) + len(core.scheduler.waiting) <= 1
+
+    ex.on_execute = on_execute
     results = run(core, ex)
     assert core.get_stats().num_preemptions > 0
     resumed = [
         (so.num_scheduled_tokens[r.req_id], r.num_computed_tokens, len(r.prompt_token_ids) + len(r.output_token_ids))
         for so in ex.outputs
         for r in so.scheduled_new_reqs
-        if r.output_token_ids
+        if r.output_token_ids and not alone[so.step]
     ]
     assert resumed and all(n == 24 < total - computed for n, computed, total in resumed)  # computed: a prefix hit
     assert_greedy_tokens(results, prompts, 60)
