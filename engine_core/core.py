@@ -106,7 +106,7 @@ class EngineCore:
 
     def _step_async(self) -> list[EngineCoreOutput]:
         """Schedule and send the next step, then apply the oldest one once two are in flight (or nothing
-        new was sent): the workers have step N+1 queued while the engine core applies step N and routes
+        more is to come): the workers have step N+1 queued while the engine core applies step N and routes
         its outputs. Decisions follow vLLM's batch queue of two, so they do not depend on timing."""
         in_flight = self._in_flight
         if self.scheduler.has_requests():
@@ -114,7 +114,7 @@ class EngineCore:
             if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
                 self.executor.submit(so)
                 in_flight.append(so)
-                if len(in_flight) < 2:
+                if len(in_flight) < 2 and (so.total_num_scheduled_tokens or self.scheduler.has_requests()):
                     return []
         if not in_flight:
             return []

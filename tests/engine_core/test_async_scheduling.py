@@ -60,10 +60,16 @@ def test_step_n_plus_1_is_sent_before_step_n_is_applied():
     assert ex.outputs[1].scheduled_cached_reqs.num_computed_tokens == [20]
     assert ex.outputs[1].num_scheduled_tokens == {"a": 1}
     assert request.output_token_ids == expected_tokens(prompt, 1) and request.num_output_placeholders == 1
-    results = run(core, ex)
+    calls = []  # what each later step() call sent and applied
+    while core.has_work():
+        start = len(log)
+        core.step()
+        calls.append(log[start:])
     # step 4 samples the last token: nothing is scheduled beside it; step 5 only tells the workers "a" finished
-    assert log[3:] == [("submit", 3), ("collect", 2), ("submit", 4), ("collect", 3), ("collect", 4),
-                       ("submit", 5), ("collect", 5)]
+    # and, with nothing more to come, is applied in the same call (as vLLM's batch queue does)
+    assert calls == [[("submit", 3), ("collect", 2)], [("submit", 4), ("collect", 3)], [("collect", 4)],
+                     [("submit", 5), ("collect", 5)]]
+    results = core.results
     assert ex.outputs[-1].finished_req_ids == ["a"] and ex.outputs[-1].total_num_scheduled_tokens == 0
     assert results.tokens["a"] == expected_tokens(prompt, 4) and results.finish["a"] == "length"
     assert_pool_empty(core)
