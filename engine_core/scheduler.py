@@ -185,7 +185,7 @@ class Scheduler:
                     break
                 blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
             if blocks is None:
-                continue  # request itself was preempted; self.running shrank under index i
+                break  # it preempted itself: as in vLLM, no running request after it gets this step
             scheduled_running.append(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             new_blocks[request.request_id] = blocks

@@ -254,6 +254,26 @@ def test_priority_preempts_largest_priority_value_then_latest_arrival():
     assert_pool_empty(core)
 
 
+def test_priority_a_request_that_preempts_itself_ends_the_running_pass():
+    """As vLLM: when the request being scheduled is the least important and no block is free, it is preempted
+    and no running request after it is scheduled in that step, though "b" would fit in its own blocks."""
+    core, ex = make_core(num_blocks=4, max_model_len=48, budget=256, policy="priority")  # 3 usable blocks
+    core.add_request(make_request("a", prompt_of(1, 10), max_tokens=20, arrival_time=0.0, priority=3))
+    core.step()
+    core.add_request(make_request("b", prompt_of(2, 20), max_tokens=20, arrival_time=1.0, priority=0))
+    for _ in range(6):  # "a" decodes positions 10..15 in its block, "b" is admitted with the other two
+        core.step()
+    assert [r.request_id for r in core.scheduler.running] == ["a", "b"]
+    assert core.scheduler.kv_cache_manager.get_num_free_blocks() == 0
+    core.step()  # "a" needs a second block for position 16: it is the least important, so it goes
+    so = ex.outputs[-1]
+    assert so.preempted_req_ids == ["a"] and so.num_scheduled_tokens == {}
+    results = run(core, ex)
+    for rid, seed, n in (("a", 1, 10), ("b", 2, 20)):
+        assert results.tokens[rid] == expected_tokens(prompt_of(seed, n), 20)
+    assert_pool_empty(core)
+
+
 def test_priority_admits_by_priority_then_arrival():
     core, ex = make_core(max_num_seqs=1, policy="priority")
     specs = [("w1", 5, 0.0), ("w2", 1, 3.0), ("w3", 1, 2.0), ("w4", 0, 9.0), ("w5", 5, -1.0)]
