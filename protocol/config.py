@@ -73,7 +73,8 @@ class SchedulerConfig(_Area, frozen=True):
     enable_chunked_prefill: Annotated[bool, setting(
         "split a prompt that does not fit the step's remaining budget; off: it waits for a step where it fits")] = True
     long_prefill_token_threshold: Annotated[Annotated[int, Meta(ge=0)], setting(
-        "a prompt with more uncomputed tokens than this gets at most this many per step (0: no limit)")] = 0
+        "a prompt with more uncomputed tokens than this gets at most this many per step, unless it is the only "
+        "request running or waiting (0: no limit)")] = 0
     scheduling_policy: Annotated[Literal["fcfs", "priority"], setting(
         "fcfs, or priority: lower value first; preemption takes the largest value, then the latest arrival")] = "fcfs"
     watermark: Annotated[float, Meta(ge=0, lt=1), setting(
