@@ -97,28 +97,29 @@ class EngineCore:
         if self.async_scheduling:
             outputs += self._step_async()
         elif self.scheduler.has_requests():
-            scheduler_output = self.scheduler.schedule()
-            so = scheduler_output
-            if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
-                model_output = self.executor.execute_model(scheduler_output)
-                outputs += self.scheduler.update_from_output(scheduler_output, model_output)
+            so = self.scheduler.schedule()
+            if _tells_workers(so):
+                outputs += self.scheduler.update_from_output(so, self.executor.execute_model(so))
         return EngineCoreOutputs(outputs, time.time())
 
     def _step_async(self) -> list[EngineCoreOutput]:
         """Schedule and send the next step, then apply the oldest one once two are in flight (or nothing
         more is to come): the workers have step N+1 queued while the engine core applies step N and routes
-        its outputs. Decisions follow vLLM's batch queue of two, so they do not depend on timing."""
+        its outputs. Decisions follow vLLM's batch queue of two, so they do not depend on timing; as there,
+        a step with nothing in it takes a place in the queue (it is never sent)."""
         in_flight = self._in_flight
         if self.scheduler.has_requests():
             so = self.scheduler.schedule()
-            if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
+            if _tells_workers(so):
                 self.executor.submit(so)
-                in_flight.append(so)
-                if len(in_flight) < 2 and (so.total_num_scheduled_tokens or self.scheduler.has_requests()):
-                    return []
-        if not in_flight:
+            in_flight.append(so)
+            if len(in_flight) < 2 and (so.total_num_scheduled_tokens or self.scheduler.has_requests()):
+                return []
+        elif not in_flight:
             return []
         so = in_flight.popleft()
+        if not _tells_workers(so):
+            return []
         return self.scheduler.update_from_output(so, self.executor.collect(so))
 
     def take_kv_events(self) -> list[KVCacheEvent]:
@@ -134,3 +135,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _tells_workers(so: SchedulerOutput) -> bool:
+    """Tokens to compute, or requests the workers must drop: a step worth sending."""
+    return bool(so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids)

@@ -65,10 +65,10 @@ def test_step_n_plus_1_is_sent_before_step_n_is_applied():
         start = len(log)
         core.step()
         calls.append(log[start:])
-    # step 4 samples the last token: nothing is scheduled beside it; step 5 only tells the workers "a" finished
-    # and, with nothing more to come, is applied in the same call (as vLLM's batch queue does)
+    # step 4 samples the last token: the schedule beside it is empty, is never sent, but takes a place in the
+    # queue (as in vLLM's batch queue), so step 5, which only tells the workers "a" finished, is applied a call later
     assert calls == [[("submit", 3), ("collect", 2)], [("submit", 4), ("collect", 3)], [("collect", 4)],
-                     [("submit", 5), ("collect", 5)]]
+                     [("submit", 5)], [("collect", 5)]]
     results = core.results
     assert ex.outputs[-1].finished_req_ids == ["a"] and ex.outputs[-1].total_num_scheduled_tokens == 0
     assert results.tokens["a"] == expected_tokens(prompt, 4) and results.finish["a"] == "length"
