@@ -1,10 +1,8 @@
 """Async scheduling: step N+1 is scheduled and sent before step N's output is applied (vLLM's
 AsyncScheduler behind a batch queue of two). The tokens every request gets must not change; what
-changes is when the ledger decides, and a request that stops is computed one step more."""
+changes is when the ledger decides, and a request that stops is computed one step more. Random workloads
+in async mode: test_scheduler_hypothesis.py; against vLLM's own AsyncScheduler: bench/vllm_decisions.py."""
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from test_scheduler_hypothesis import drive, seeded_ops
 from test_scheduler_support import assert_pool_empty, expected_tokens, make_core, make_request, prompt_of, run
 
 from protocol import SchedulerOutput
@@ -29,22 +27,6 @@ def journal(ex) -> list[tuple[str, int]]:
 
 def steps_of(ex, req_id: str) -> int:
     return sum(req_id in so.num_scheduled_tokens for so in ex.outputs)
-
-
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    n=st.integers(4, 30),
-    num_blocks=st.integers(9, 24),
-    budget=st.integers(8, 160),
-    max_num_seqs=st.integers(2, 8),
-    policy=st.sampled_from(["fcfs", "priority"]),
-    prefix_caching=st.sampled_from([True, True, False]),
-)
-def test_random_workloads_keep_tables_tokens_and_pool(seed, n, num_blocks, budget, max_num_seqs, policy, prefix_caching):
-    """Workers' tables equal the ledger after every step, every request gets exactly its tokens (also
-    across preemptions and aborts), and the pool is whole at the end."""
-    drive(seeded_ops(seed, n), num_blocks, budget, max_num_seqs, policy, prefix_caching, async_scheduling=True)
 
 
 def test_step_n_plus_1_is_sent_before_step_n_is_applied():

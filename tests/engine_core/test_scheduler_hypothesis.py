@@ -7,6 +7,7 @@ exactly kv_cache_manager.get_block_ids() of every running request.
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -187,6 +188,7 @@ def seeded_ops(seed: int, n: int) -> list[tuple]:
     return out
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])  # async: step N+1 sent before step N is applied
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**32 - 1),
@@ -198,6 +200,7 @@ def seeded_ops(seed: int, n: int) -> list[tuple]:
     prefix_caching=st.sampled_from([True, True, False]),
 )
 def test_seeded_random_workload_ledger_and_scheduler_outputs_agree(
-    seed, n, num_blocks, budget, max_num_seqs, policy, prefix_caching
+    async_scheduling, seed, n, num_blocks, budget, max_num_seqs, policy, prefix_caching
 ):
-    drive(seeded_ops(seed, n), num_blocks, budget, max_num_seqs, policy, prefix_caching)
+    drive(seeded_ops(seed, n), num_blocks, budget, max_num_seqs, policy, prefix_caching,
+          async_scheduling=async_scheduling)
