@@ -3,8 +3,9 @@
 There are no prefill or decode phases. Each step every request gets as many of its uncomputed
 tokens as the budget allows, so long prompts are prefilled in chunks beside decoding requests.
 With long_prefill_token_threshold a request gets at most that many tokens a step, so one long
-prompt does not take the whole budget (unless it is the only request); with enable_chunked_prefill off a waiting request whose
-tokens do not fit the remaining budget is not split, and admissions stop until a later step.
+prompt does not take the whole budget (unless it is the only request); with enable_chunked_prefill
+off a waiting request whose tokens do not fit the remaining budget is not split, and admissions stop
+until a later step.
 When a running request cannot get a block, the newest running request (or, with the priority
 policy, the least important) is preempted: its blocks are freed and it is recomputed later.
 
