@@ -322,18 +322,16 @@ class Scheduler:
             if request is None or not token_ids or request.admitted_step > step:
                 continue  # finished or aborted while the step ran (its id maybe taken since), or nothing sampled
             running = request.status == running_status
-            if running:
-                if async_scheduling:
-                    request.num_output_placeholders -= len(token_ids)
-            elif request.num_stale_output_tokens:  # async: preempted while this step ran
+            if not running:  # async: preempted while this step ran (stale), or an id taken since
+                if not request.num_stale_output_tokens:
+                    continue
                 request.num_stale_output_tokens -= len(token_ids)
-            else:
-                continue  # a request that took a finished one's id while the step ran
             if not request.output_token_ids:
                 self.num_prompt_tokens += request.num_prompt_tokens
             new_token_ids, status = append_tokens(request, token_ids)
             num_generated += len(new_token_ids)
-            if async_scheduling and running:
+            if async_scheduling and running:  # the placeholder is a token now: its block may be full
+                request.num_output_placeholders -= len(token_ids)
                 self.kv_cache_manager.cache_blocks(
                     request, request.num_computed_tokens - request.num_output_placeholders)
             reason = None
