@@ -1,7 +1,7 @@
 """Prefix-aware vs round-robin routing over data-parallel engine cores, on the Mooncake conversation trace.
 
 Replays the trace (or its first --limit requests) through `kvengine simulate`'s DP replay: N real engine
-cores with SimExecutors on one simulated clock behind the real router (engine_core/routing.py), at the same
+cores with SimExecutors on one simulated clock behind the real router (launch/data_parallel/routing.py), at the same
 total KV capacity for every policy (each engine gets total / N). Prints, per capacity and policy, the
 prefix-cache hit rate (total and per engine), and the simulated TTFT p50 / p99. A one-engine replay with
 the whole capacity is the reference (one shared cache, a quarter of the compute at DP 4). The replay is

@@ -24,12 +24,10 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from protocol.config import engine_config  # noqa: E402
-from engine_core.core import EngineCore  # noqa: E402
-from engine_core.reference_executor import ReferenceExecutor  # noqa: E402
-from launch.multiproc_executor import MultiprocExecutor  # noqa: E402
-from launch.worker_config import WorkerConfig, worker_configs  # noqa: E402
-from protocol import (  # noqa: E402
+from engine_core.core import EngineCore
+from engine_core.executor.multiproc_executor import MultiprocExecutor
+from engine_core.executor.reference_executor import ReferenceExecutor
+from protocol import (
     EngineCoreRequest,
     FullAttentionSpec,
     InitKVCache,
@@ -38,7 +36,9 @@ from protocol import (  # noqa: E402
     Shutdown,
     WorkerReady,
 )
-from protocol.codec import engine_to_worker_codec, worker_to_engine_codec  # noqa: E402
+from protocol.codec import engine_to_worker_codec, worker_to_engine_codec
+from protocol.config import engine_config
+from protocol.process.worker_config import WorkerConfig, worker_configs
 
 SPEC = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype_bytes=2)
 WORKER_CPU_FILE = "IPC_BENCH_WORKER_CPU"  # environment: where rank 0 writes its CPU microseconds per step

@@ -26,10 +26,10 @@ from collections import deque
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine_core.kv_cache.hashing import get_hash_fn, get_request_block_hasher, hash_block_tokens  # noqa: E402
-from engine_core.kv_cache.manager import KVCacheManager  # noqa: E402
-from engine_core.request import Request, RequestStatus  # noqa: E402
-from protocol.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from engine_core.kv_cache.hashing import get_hash_fn, get_request_block_hasher, hash_block_tokens
+from engine_core.kv_cache.manager import KVCacheManager
+from engine_core.request import Request, RequestStatus
+from protocol.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 VOCAB = 32_000
 

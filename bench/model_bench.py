@@ -22,12 +22,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from protocol.config import engine_config  # noqa: E402
-from engine_core.core import EngineCore  # noqa: E402
-from protocol import EngineCoreRequest, SamplingParams  # noqa: E402
-from worker.attention import DECODE_CHUNK_BYTES, GatherBuffer, StepRequests, build_metadata, paged_attention  # noqa: E402
-from worker.inproc_executor import InProcExecutor  # noqa: E402
-from worker.model.tiny import write_model  # noqa: E402
+from engine_core.core import EngineCore
+from protocol import EngineCoreRequest, SamplingParams
+from protocol.config import engine_config
+from worker.attention import DECODE_CHUNK_BYTES, GatherBuffer, StepRequests, build_metadata, paged_attention
+from worker.inproc_executor import InProcExecutor
+from worker.model.tiny import write_model
 
 MODELS = {
     "tiny": dict(),  # the built-in default sizes

@@ -24,11 +24,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from protocol.config import engine_config  # noqa: E402
-from engine_core.core import EngineCore  # noqa: E402
-from engine_core.reference_executor import ReferenceExecutor  # noqa: E402
-from protocol import EngineCoreRequest, FullAttentionSpec, SamplingParams  # noqa: E402
-from protocol.codec import engine_to_worker_codec  # noqa: E402
+from engine_core.core import EngineCore
+from engine_core.executor.reference_executor import ReferenceExecutor
+from protocol import EngineCoreRequest, FullAttentionSpec, SamplingParams
+from protocol.codec import engine_to_worker_codec
+from protocol.config import engine_config
 
 VOCAB = 32_000
 

@@ -177,8 +177,8 @@ def group_processes(pgid: int) -> dict[int, str]:
         pid = int(stat.parent.name)
         if fields[0] == "Z" or int(fields[2]) != pgid:
             continue
-        if "launch.worker_main" in args:
-            config = args[args.index("launch.worker_main") + 1]
+        if "worker.main" in args:
+            config = args[args.index("worker.main") + 1]
             out[pid] = "worker rank " + config.split('"rank":')[1].split(",")[0]
         elif pid == pgid:
             out[pid] = "engine core"

@@ -131,7 +131,7 @@ class KvengineSide:
     def __init__(self, wl: dict, async_scheduling: bool) -> None:
         sys.path.insert(0, str(ROOT))
         from engine_core.core import EngineCore
-        from engine_core.reference_executor import ReferenceExecutor, reference_next_token
+        from engine_core.executor.reference_executor import ReferenceExecutor, reference_next_token
         from protocol import EngineCoreRequest, FullAttentionSpec, SamplingParams
         from protocol.config import engine_config
 

@@ -5,7 +5,7 @@ import logging
 import time
 from collections import deque
 
-from engine_core.executor_interface import Executor
+from engine_core.executor.abstract import Executor
 from engine_core.kv_cache.planning import KVCacheSizingError, capacity_line, get_kv_cache_config
 from engine_core.scheduler import Scheduler
 from protocol import (

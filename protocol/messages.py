@@ -156,6 +156,10 @@ class Shutdown(msgspec.Struct, tag=True, **_struct):
     error: str = ""  # to a headless host: why the head stops after a failure (the host then exits non-zero)
 
 
+HEARTBEAT_INTERVAL = 0.5  # seconds, each way between the head and a headless host
+HEARTBEAT_TIMEOUT = 3.0  # silence after which the other side counts as dead or cut off
+
+
 class EngineHeartbeat(msgspec.Struct, tag=True, **_struct):
     """Several hosts: the engine core is alive (sent to each headless host's process, answering its NodeHeartbeat)."""
 

@@ -18,19 +18,19 @@ import zmq
 from engine_core.client_router import ClientRouter
 from engine_core.core import EngineCore
 from engine_core.engine_loop import EngineLoop
+from engine_core.executor.multiproc_executor import MultiprocExecutor, WorkerFailedError
 from engine_core.kv_cache.planning import KVCacheSizingError
 from engine_core.kv_event_publisher import KVEventPublisher
 from engine_core.metrics import EngineMetrics
 from launch.api_server.launcher import ApiServers
 from launch.client_endpoints import open_client_endpoints
 from launch.config_args import add_config_args, config_from_args
-from launch.headless import HeadlessHost
-from launch.hosts import host_label
-from launch.multiproc_executor import MultiprocExecutor, WorkerFailedError
-from launch.open_files import raise_open_file_limit
-from launch.signals import STOP_SIGNALS
-from launch.worker_config import worker_configs
 from protocol.config import EngineConfig
+from protocol.process.hosts import host_label
+from protocol.process.open_files import raise_open_file_limit
+from protocol.process.signals import STOP_SIGNALS
+from protocol.process.worker_config import worker_configs
+from worker.headless import HeadlessHost
 
 logger = logging.getLogger("kvengine.serve")
 
@@ -50,7 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=config.server.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.parallel.data_parallel_size > 1:
-        from launch.data_parallel import DataParallelServer, check_data_parallel  # it imports this module
+        from launch.data_parallel.server import DataParallelServer, check_data_parallel  # it imports this module
 
         refused = check_data_parallel(config)
         if refused is not None:

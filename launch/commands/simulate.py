@@ -42,7 +42,7 @@ SIMULATE_HELP = {
     "--max-model-len": "longest prompt + output in tokens; default: the longest request of the trace, "
                        "or the whole cache if smaller",
     "--block-size": f"tokens per KV block, must divide {TRACE_BLOCK_TOKENS} (default: %(default)s)",
-    "--data-parallel-size": "engine cores replayed behind the router (engine_core/routing.py) on one simulated clock; "
+    "--data-parallel-size": "engine cores replayed behind the router (launch/data_parallel/routing.py) on one simulated clock; "
                             "--kv-cache-tokens is then their total, split evenly (default: %(default)s)",
 }
 

@@ -12,5 +12,5 @@ order a replay uses them:
   with a cost model (the simulated clock).
 - `replay`: the loop that feeds arrivals to the engine core and advances the clock; `result` holds
   its figures and `sweep` repeats it over cache sizes. `report` prints them.
-- `dp_replay`: N engine cores behind the real router (engine_core/routing.py) on one clock.
+- `dp_replay`: N engine cores behind the real router (launch/data_parallel/routing.py) on one clock.
 """

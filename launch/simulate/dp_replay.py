@@ -1,5 +1,5 @@
 """The data-parallel replay: a trace through N real EngineCores, each with its SimExecutor, behind the real
-router (engine_core/routing.py), all on one simulated clock.
+router (launch/data_parallel/routing.py), all on one simulated clock.
 
 Each engine runs its own steps: a step that starts at time t on engine e costs dt by the cost model, and
 its outputs and KV events reach the router at t + dt, when e may start its next step. Requests are routed
@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from engine_core.core import EngineCore
-from engine_core.routing import Router, RouterPolicy
+from launch.data_parallel.routing import Router, RouterPolicy
 from launch.percentiles import percentile
 from launch.simulate.ceiling import count_prefix_hits
 from launch.simulate.executor import SimExecutor

@@ -20,8 +20,8 @@ cached prefix survives); tune them with the flags to model your hardware.
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine_core.executor_interface import InlineExecutor
-from engine_core.reference_executor import ReferenceExecutor
+from engine_core.executor.abstract import InlineExecutor
+from engine_core.executor.reference_executor import ReferenceExecutor
 from launch.simulate.tokens import VOCAB_SIZE
 from protocol import FullAttentionSpec, KVCacheConfig, ModelRunnerOutput, SchedulerOutput, WorkerKVReport
 

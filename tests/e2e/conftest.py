@@ -90,8 +90,8 @@ class ServerProcess:
         out = {}
         for pid in processes_in_group(self.proc.pid):
             args = cmdline(pid)
-            if "launch.worker_main" in args:
-                config = args[args.index("launch.worker_main") + 1]
+            if "worker.main" in args:
+                config = args[args.index("worker.main") + 1]
                 out[int(config.split('"rank":')[1].split(",")[0])] = pid
         return out
 

@@ -4,8 +4,8 @@ import json
 import subprocess
 import sys
 
-from tests.e2e.in_process import in_process_greedy
 from protocol import SamplingParams
+from tests.e2e.in_process import in_process_greedy
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

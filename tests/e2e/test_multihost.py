@@ -48,7 +48,7 @@ class TwoHostServer:
             raise RuntimeError(f"{e!r}:\n{self.logs()}") from None
 
     def remote_worker(self) -> int:
-        [pid] = [pid for pid in self.other.pids() if "launch.worker_main" in cmdline(pid)]
+        [pid] = [pid for pid in self.other.pids() if "worker.main" in cmdline(pid)]
         return pid
 
     def stop(self) -> None:

@@ -45,7 +45,7 @@ def test_a_stopped_command_takes_its_server_and_workers_with_it(start_command, c
     cli = start_command(*LONG[command])
     server = cli.wait_server()
     asyncio.run(wait_busy(server.address))
-    workers = [pid for pid in server.processes() if "launch.worker_main" in cmdline(pid)]
+    workers = [pid for pid in server.processes() if "worker.main" in cmdline(pid)]
     assert len(workers) == 1
     worker_dir = Path(re.search(r'"engine_address":"ipc://([^"]+)/workers.sock"', " ".join(cmdline(workers[0])))[1])
     assert worker_dir.exists()

@@ -1,12 +1,6 @@
 """EngineCore: start-up sizing, the step loop, empty steps, what reaches the executor, wire validity."""
 
 import pytest
-
-from engine_core.core import EngineCore
-from engine_core.kv_cache.planning import KVCacheSizingError
-from protocol import FullAttentionSpec, SlidingWindowSpec
-from protocol.config import engine_config
-from protocol.codec import engine_to_worker_codec, outputs_codec
 from test_scheduler_support import (
     SPEC,
     RecordingExecutor,
@@ -17,6 +11,12 @@ from test_scheduler_support import (
     prompt_of,
     run,
 )
+
+from engine_core.core import EngineCore
+from engine_core.kv_cache.planning import KVCacheSizingError
+from protocol import FullAttentionSpec, SlidingWindowSpec
+from protocol.codec import engine_to_worker_codec, outputs_codec
+from protocol.config import engine_config
 
 # ---- start-up -------------------------------------------------------------------------------
 
@@ -176,7 +176,7 @@ def test_the_engine_core_never_imports_torch():
     import sys
     from pathlib import Path
 
-    code = ("import sys, engine_core.core, engine_core.scheduler, engine_core.reference_executor; "
+    code = ("import sys, engine_core.core, engine_core.scheduler, engine_core.executor.reference_executor; "
             "sys.exit('torch' in sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
 

@@ -15,14 +15,6 @@ vLLM entry -> kvengine behaviour tested here:
 import logging
 
 import pytest
-
-from engine_core.kv_cache.block import KVCacheBlock
-from engine_core.kv_cache.block_pool import BlockPool
-from engine_core.kv_cache.coordinator import (
-    HybridKVCacheCoordinator,
-    UnitaryKVCacheCoordinator,
-    get_kv_cache_coordinator,
-)
 from test_ledger_support import (
     admit,
     check_invariants,
@@ -33,6 +25,14 @@ from test_ledger_support import (
     queue_ids,
     snapshot,
     swa_spec,
+)
+
+from engine_core.kv_cache.block import KVCacheBlock
+from engine_core.kv_cache.block_pool import BlockPool
+from engine_core.kv_cache.coordinator import (
+    HybridKVCacheCoordinator,
+    UnitaryKVCacheCoordinator,
+    get_kv_cache_coordinator,
 )
 
 

@@ -6,6 +6,17 @@
 """
 
 import pytest
+from test_ledger_support import (
+    admit,
+    check_invariants,
+    decode,
+    full_spec,
+    ids,
+    make_manager,
+    make_request,
+    queue_ids,
+    snapshot,
+)
 
 from engine_core.kv_cache.block import make_block_hash_with_group_id
 from engine_core.kv_cache.block_pool import BlockPool
@@ -19,17 +30,6 @@ from engine_core.kv_cache.planning import (
 )
 from protocol.kv_cache_spec import FullAttentionSpec
 from protocol.kv_events import MEDIUM_GPU, BlockRemoved, external_block_hash
-from test_ledger_support import (
-    admit,
-    check_invariants,
-    decode,
-    full_spec,
-    ids,
-    make_manager,
-    make_request,
-    queue_ids,
-    snapshot,
-)
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -88,7 +88,7 @@ def test_r1_r2_reference_count_table_row_by_row():
     r1 = make_request("R1", range(40))
     r2 = make_request("R2", list(range(32)) + [1000 + i for i in range(8)])
     assert r1.block_hashes[:2] == r2.block_hashes[:2]
-    key = lambda req, i: make_block_hash_with_group_id(req.block_hashes[i], 0)  # noqa: E731
+    key = lambda req, i: make_block_hash_with_group_id(req.block_hashes[i], 0)
 
     # Row 1: R1 admitted: 3 new blocks a, b, c, removed from the front of the queue.
     assert queue_ids(pool) == [1, 2, 3, 4, *rest]

@@ -10,8 +10,6 @@ get evicted and allocations are refused often.
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
-from engine_core.request import RequestStatus
 from test_ledger_support import (
     EventMirror,
     cdiv,
@@ -22,6 +20,8 @@ from test_ledger_support import (
     snapshot,
     swa_spec,
 )
+
+from engine_core.request import RequestStatus
 
 TOKENS = st.integers(min_value=0, max_value=2)
 STEMS = [[0, 1, 2, 0, 1, 2, 0, 1], [1, 1, 1, 1, 2, 2], [2, 0, 2, 0]]

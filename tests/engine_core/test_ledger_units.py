@@ -9,6 +9,20 @@ import sys
 
 import pytest
 import xxhash
+from test_ledger_support import (
+    admit,
+    cdiv,
+    check_invariants,
+    decode,
+    full_spec,
+    ids,
+    make_config,
+    make_manager,
+    make_request,
+    queue_ids,
+    snapshot,
+    swa_spec,
+)
 
 from engine_core.kv_cache.block import KVCacheBlock, make_block_hash_with_group_id
 from engine_core.kv_cache.block_pool import BlockPool
@@ -32,20 +46,6 @@ from engine_core.kv_cache.single_type_manager import FullAttentionManager, Slidi
 from engine_core.request import RequestStatus
 from protocol.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
 from protocol.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, external_block_hash
-from test_ledger_support import (
-    admit,
-    cdiv,
-    check_invariants,
-    decode,
-    full_spec,
-    ids,
-    make_config,
-    make_manager,
-    make_request,
-    queue_ids,
-    snapshot,
-    swa_spec,
-)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -1,11 +1,11 @@
-"""engine_core/routing.py: the block-hash index fed by KV events, the router's hashes, the three policies."""
+"""launch/data_parallel/routing.py: the block-hash index fed by KV events, the router's hashes, the three policies."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_scheduler_support import BLOCK_SIZE, make_core, make_request, prompt_of, run
 
-from engine_core.routing import PrefixIndex, RequestHasher, Router
+from launch.data_parallel.routing import PrefixIndex, RequestHasher, Router
 from protocol.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
 
 

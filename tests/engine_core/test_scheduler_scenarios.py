@@ -3,10 +3,6 @@
 import random
 
 import pytest
-
-from engine_core.scheduler import Scheduler
-from protocol.config import engine_config
-from protocol import KVCacheConfig, KVCacheGroupSpec, ModelRunnerOutput
 from test_scheduler_support import (
     BLOCK_SIZE,
     SPEC,
@@ -19,6 +15,10 @@ from test_scheduler_support import (
     prompt_of,
     run,
 )
+
+from engine_core.scheduler import Scheduler
+from protocol import KVCacheConfig, KVCacheGroupSpec, ModelRunnerOutput
+from protocol.config import engine_config
 
 # ---- budget, max_num_seqs, order ------------------------------------------------------------
 

@@ -5,9 +5,9 @@ digest check on); RecordingExecutor only keeps a copy of every SchedulerOutput i
 """
 
 from engine_core.core import EngineCore
-from engine_core.reference_executor import ReferenceExecutor, reference_next_token
-from protocol.config import engine_config
+from engine_core.executor.reference_executor import ReferenceExecutor, reference_next_token
 from protocol import EngineCoreOutput, EngineCoreRequest, FullAttentionSpec, SamplingParams, SchedulerOutput
+from protocol.config import engine_config
 
 BLOCK_SIZE = 16
 SPEC = FullAttentionSpec(BLOCK_SIZE, 1, 8, 2)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.worker_config import auto_binding, format_cores, parse_binding, worker_configs
 from protocol.config import engine_config
+from protocol.process.worker_config import auto_binding, format_cores, parse_binding, worker_configs
 from tests.e2e.conftest import ServerProcess
 
 USABLE = sorted(os.sched_getaffinity(0))

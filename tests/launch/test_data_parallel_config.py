@@ -1,6 +1,6 @@
 """The serve side of data parallelism, without processes: each engine's cores, the summed stats, refusals."""
 
-from launch.data_parallel import check_data_parallel, engine_cpu_binds, sum_stats
+from launch.data_parallel.server import check_data_parallel, engine_cpu_binds, sum_stats
 from protocol import SchedulerStats
 from protocol.config import engine_config
 

@@ -8,15 +8,15 @@ import textwrap
 import pytest
 import zmq
 
-from launch.multiproc_executor import MultiprocExecutor, WorkerFailedError
-from launch.worker_config import WorkerConfig, worker_configs
+from engine_core.executor.multiproc_executor import MultiprocExecutor, WorkerFailedError
 from protocol import CachedRequestData, SchedulerOutput
 from protocol.config import engine_config
+from protocol.process.worker_config import WorkerConfig, worker_configs
 
 # A worker that first sends garbage and an out-of-place message, then a valid KV report.
 NOISY_WORKER = textwrap.dedent("""
     import sys, msgspec, zmq
-    from launch.worker_config import WorkerConfig
+    from protocol.process.worker_config import WorkerConfig
     from protocol import FullAttentionSpec, WorkerKVReport, WorkerReady
     from protocol.codec import worker_to_engine_codec
     cfg = msgspec.json.decode(sys.argv[1], type=WorkerConfig)
@@ -34,7 +34,7 @@ NOISY_WORKER = textwrap.dedent("""
 # A worker that reports its KV budget, then does what its rank's line says; it ignores SIGTERM, as workers do.
 SILENT_WORKER = textwrap.dedent("""
     import signal, sys, time, msgspec, zmq
-    from launch.worker_config import WorkerConfig
+    from protocol.process.worker_config import WorkerConfig
     from protocol import FullAttentionSpec, WorkerKVReport
     from protocol.codec import worker_to_engine_codec
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -12,13 +12,13 @@ import time
 import pytest
 import zmq
 
-from launch.hosts import host_label, interface_with, source_address
-from launch.multiproc_executor import HEARTBEAT_TIMEOUT, MultiprocExecutor, WorkerFailedError
-from launch.worker_config import worker_configs
+from engine_core.executor.multiproc_executor import MultiprocExecutor, WorkerFailedError
 from protocol import Shutdown, WorkerError, WorkerKVReport
 from protocol.codec import engine_to_worker_codec, worker_to_engine_codec
 from protocol.config import engine_config
-from protocol.messages import EngineHeartbeat, NodeHeartbeat
+from protocol.messages import HEARTBEAT_TIMEOUT, EngineHeartbeat, NodeHeartbeat
+from protocol.process.hosts import host_label, interface_with, source_address
+from protocol.process.worker_config import worker_configs
 from tests.e2e.conftest import processes_in_group, wait_exit, wait_until
 from tests.launch.test_executor import SILENT_WORKER
 

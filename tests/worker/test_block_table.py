@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput, block_ids_digest
+from protocol.config import engine_config
 from tests.worker.harness import kv_config
 from worker.attention import StepRequests, build_metadata
 from worker.block_table import BlockTableMismatch, BlockTables
 from worker.worker import Worker
-from protocol.config import engine_config
 
 
 def test_overwrite_append_and_row_reuse():

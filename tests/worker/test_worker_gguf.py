@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
+from protocol.config import engine_config
 from tests.worker.harness import Driver, kv_config
 from worker.model.gguf_loader import _unpermute
 from worker.model.tokenizer import load_tokenizer
 from worker.worker import Worker
-from protocol.config import engine_config
 
 pytest.importorskip("gguf")
 

@@ -5,11 +5,11 @@ import os
 import pytest
 import torch
 
+from protocol.config import engine_config
 from tests.worker.harness import Driver, hf_greedy, kv_config
 from worker.model.tiny import write_model
 from worker.model_runner import padded_num_tokens
 from worker.worker import Worker
-from protocol.config import engine_config
 
 pytest.importorskip("transformers")
 

@@ -7,12 +7,12 @@ import socket
 import pytest
 import torch
 
+from protocol.config import engine_config
 from tests.worker.harness import Driver, hf_greedy, kv_config
 from tests.worker.test_worker_parity import FAMILIES, MAX_NEW, RAGGED
 from worker.model.config import ModelConfig
 from worker.model.tiny import tiny_config, write_model
 from worker.worker import Worker
-from protocol.config import engine_config
 
 pytest.importorskip("transformers")
 

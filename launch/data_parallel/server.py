@@ -4,7 +4,7 @@ Each engine core is a `kvengine serve` subprocess with its own tensor-parallel g
 ipc:// address, publishing KV events on a private endpoint (with a replay socket), no HTTP API, and
 its own share of the CPU cores. This process owns the client address: a ClientRouter (the engine
 core's own client socket, so admission limits, slow clients and disconnects behave as with one
-engine) in front of one DEALER per engine. engine_core/routing.py picks the engine of each request
+engine) in front of one DEALER per engine. launch/data_parallel/routing.py picks the engine of each request
 from the engines' KV events and loads; outputs go back to their clients, get_stats answers the sum
 with each engine's stats, reset_prefix_cache goes to every engine, and the requests of an engine
 that dies end with `error` while the others keep serving. The HTTP API, when asked for, runs here
@@ -38,15 +38,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine_core.client_router import ClientRouter
 from engine_core.metrics import MetricsServer
-from engine_core.routing import Router
 from launch.api_server.launcher import ApiServers
 from launch.client_endpoints import open_client_endpoints
 from launch.config_args import config_to_flags
+from launch.data_parallel.routing import Router
 from launch.kv_event_subscriber import KVEventSubscriber
 from launch.local_server import die_with_parent
-from launch.signals import STOP_SIGNALS
 from launch.simulate.replay import with_settings
-from launch.worker_config import auto_binding, format_cores
 from protocol import (
     EngineCoreAbort,
     EngineCoreGetStats,
@@ -58,6 +56,8 @@ from protocol import (
 )
 from protocol.codec import client_codec, outputs_codec
 from protocol.config import EngineConfig
+from protocol.process.signals import STOP_SIGNALS
+from protocol.process.worker_config import auto_binding, format_cores
 
 logger = logging.getLogger("kvengine.serve")
 POLL_MS = 100

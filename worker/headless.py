@@ -22,14 +22,15 @@ import time
 import msgspec
 import zmq
 
-from launch.hosts import host_label
-from launch.multiproc_executor import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, POLL_MS
-from launch.signals import STOP_SIGNALS
-from launch.worker_config import worker_configs
 from protocol import ProtocolError, Shutdown, WorkerError
 from protocol.codec import engine_to_worker_codec, worker_to_engine_codec
 from protocol.config import EngineConfig
-from protocol.messages import EngineHeartbeat, NodeHeartbeat
+from protocol.messages import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, EngineHeartbeat, NodeHeartbeat
+from protocol.process.hosts import host_label
+from protocol.process.signals import STOP_SIGNALS
+from protocol.process.worker_config import worker_configs
+
+POLL_MS = 100
 
 logger = logging.getLogger("kvengine.headless")
 SHUTDOWN_WAIT = 5.0  # seconds the workers get to exit after the head's Shutdown
@@ -68,7 +69,7 @@ class HeadlessHost:
         try:
             for c in configs:
                 self.procs[c.rank] = subprocess.Popen(
-                    [sys.executable, "-m", "launch.worker_main", msgspec.json.encode(c).decode()])
+                    [sys.executable, "-m", "worker.main", msgspec.json.encode(c).decode()])
             logger.info("Host %s (node %d of %d) runs ranks %d-%d for the engine core at %s", self.host,
                         self.node_rank, parallel.nnodes, configs[0].rank, configs[-1].rank, head)
             return self._watch(sock)

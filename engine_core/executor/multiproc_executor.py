@@ -12,7 +12,7 @@ that answers steps, though with tensor parallelism it may be waiting for another
 collective. Every worker is then killed with SIGKILL, the one signal a stopped process obeys.
 
 Several hosts (nnodes > 1): this executor spawns the head's ranks; every other host's ranks are
-spawned there by `kvengine serve --headless` (launch/headless.py) and connect over tcp. That host's
+spawned there by `kvengine serve --headless` (worker/headless.py) and connect over tcp. That host's
 process and this executor exchange heartbeats every HEARTBEAT_INTERVAL over the same ROUTER; a host
 unheard of for HEARTBEAT_TIMEOUT (dead or cut off), or one that reports a dead worker, fails the
 engine with its host and ranks named.
@@ -31,7 +31,6 @@ from typing import TypeVar
 import msgspec
 import zmq
 
-from launch.worker_config import WorkerConfig, local_ranks
 from protocol import (
     InitKVCache,
     KVCacheConfig,
@@ -44,12 +43,11 @@ from protocol import (
     WorkerReady,
 )
 from protocol.codec import engine_to_worker_codec, worker_to_engine_codec
-from protocol.messages import EngineHeartbeat, EngineToWorker, NodeHeartbeat
+from protocol.messages import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, EngineHeartbeat, EngineToWorker, NodeHeartbeat
+from protocol.process.worker_config import WorkerConfig, local_ranks
 
 logger = logging.getLogger(__name__)
 POLL_MS = 100
-HEARTBEAT_INTERVAL = 0.5  # seconds, each way between the head and a headless host
-HEARTBEAT_TIMEOUT = 3.0  # silence after which the other side counts as dead or cut off
 M = TypeVar("M", WorkerKVReport, WorkerReady, ModelRunnerOutput)
 
 
@@ -75,7 +73,7 @@ class RemoteHost:
 class MultiprocExecutor:
     def __init__(self, ctx: zmq.Context, address: str, configs: list[WorkerConfig],
                  check_stop: Callable[[], None] = lambda: None,
-                 entry: tuple[str, ...] = (sys.executable, "-m", "launch.worker_main")) -> None:
+                 entry: tuple[str, ...] = (sys.executable, "-m", "worker.main")) -> None:
         """check_stop: called every poll period while waiting (it may raise to give up);
         entry: the command that runs one worker; it gets the WorkerConfig as JSON."""
         self.check_stop = check_stop

@@ -1,4 +1,4 @@
-"""Entry point of one worker process: `python -m launch.worker_main '<WorkerConfig as JSON>'`.
+"""Entry point of one worker process: `python -m worker.main '<WorkerConfig as JSON>'`.
 
 The worker talks to the engine core over one DEALER socket (ipc://, or tcp:// to the head on several
 hosts): it reports its KV budget, allocates the cache when told the final block count, then executes
@@ -14,12 +14,12 @@ import traceback
 import msgspec
 import zmq
 
-from launch.hosts import pin_collective_interface
-from launch.open_files import raise_open_file_limit
-from launch.signals import STOP_SIGNALS
-from launch.worker_config import WorkerConfig
 from protocol import InitKVCache, ProtocolError, SchedulerOutput, Shutdown, WorkerError
 from protocol.codec import engine_to_worker_codec, worker_to_engine_codec
+from protocol.process.hosts import pin_collective_interface
+from protocol.process.open_files import raise_open_file_limit
+from protocol.process.signals import STOP_SIGNALS
+from protocol.process.worker_config import WorkerConfig
 
 logger = logging.getLogger("kvengine.worker")
 PARENT_CHECK_MS = 500

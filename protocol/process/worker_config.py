@@ -18,7 +18,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     torch_threads: int = 1
     cpu_cores: list[int] | None = None  # the worker pins itself to these cores; None: not pinned
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)  # the same for every rank of a host
-    host: str = ""  # several hosts: this host's label (launch/hosts.py), reported with the KV budget
+    host: str = ""  # several hosts: this host's label (protocol/process/hosts.py), reported with the KV budget
 
 
 def local_ranks(parallel: ParallelConfig) -> range:

@@ -5,7 +5,7 @@ full lists and appended ids) and checks them, so tests and simulations exercise 
 protocol without a model.
 """
 
-from engine_core.executor_interface import InlineExecutor
+from engine_core.executor.abstract import InlineExecutor
 from protocol import (
     FullAttentionSpec,
     KVCacheConfig,
