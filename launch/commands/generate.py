@@ -57,7 +57,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not config.model.model:
             print("kvengine generate: --prompt needs --model with a tokenizer (a GGUF file)", file=sys.stderr)
             return 2
-        from worker.model.tokenizer import load_tokenizer
+        from protocol.model.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(config.model.model)
         prompts = [tokenizer.encode(text) for text in args.prompt]

@@ -56,6 +56,7 @@ from protocol import (
 )
 from protocol.codec import client_codec, outputs_codec
 from protocol.config import EngineConfig
+from protocol.model.source import raw_config
 from protocol.process.signals import STOP_SIGNALS
 from protocol.process.worker_config import auto_binding, format_cores
 
@@ -97,19 +98,7 @@ def resolved_max_model_len(config: EngineConfig) -> int:
     """The max_model_len the engines resolve (what the HTTP API checks prompts against)."""
     if config.model.max_model_len is not None:
         return config.model.max_model_len
-    model = config.model.model
-    if model is None:
-        from worker.model.tiny import tiny_config
-
-        return int(tiny_config()["max_position_embeddings"])
-    if model.endswith(".gguf"):
-        from worker.model.gguf_loader import gguf_config
-        from worker.model.gguf_meta import open_gguf
-
-        return int(gguf_config(open_gguf(model)).get("max_position_embeddings", 2048))
-    from worker.model.weights import read_config
-
-    return int(read_config(model).get("max_position_embeddings", 2048))
+    return int(raw_config(config.model.model).get("max_position_embeddings", 2048))
 
 
 def free_port() -> int:

@@ -1,4 +1,10 @@
-"""protocol/ depends on msgspec and the standard library only (DESIGN.md); no pickle anywhere."""
+"""protocol/ depends on msgspec and the standard library only (DESIGN.md); no pickle anywhere.
+
+Its two sub-packages are the ground floor every process shares beyond the wire: protocol/process/ (what
+every process does alike at spawn: worker configs, CPU binding, signals, open files, host labels) and
+protocol/model/ (what a model is: config.json and GGUF metadata readers, tokenizer loading). Neither
+imports torch, so the engine core, the API server and the DP router can read them.
+"""
 
 import ast
 import pathlib
@@ -19,14 +25,27 @@ def _imports(path):
             yield node.module.split(".")[0]
 
 
+SUBPACKAGE_ALLOWED = {
+    "process": ALLOWED | {"contextlib", "fcntl", "logging", "os", "re", "resource", "signal", "socket", "struct"},
+    "model": ALLOWED | {"json", "pathlib", "tokenizers", "gguf"},
+}
+
+
 def test_only_msgspec_and_stdlib_imports():
     for path in PROTOCOL_DIR.glob("*.py"):
         bad = set(_imports(path)) - ALLOWED
         assert not bad, f"{path.name} imports {bad}"
 
 
+def test_subpackages_import_no_torch_and_only_their_allowed_modules():
+    for sub, allowed in SUBPACKAGE_ALLOWED.items():
+        for path in (PROTOCOL_DIR / sub).glob("*.py"):
+            bad = set(_imports(path)) - allowed
+            assert not bad, f"{sub}/{path.name} imports {bad}"
+
+
 def test_no_pickle():
-    for path in PROTOCOL_DIR.glob("*.py"):
+    for path in PROTOCOL_DIR.rglob("*.py"):
         assert "pickle" not in path.read_text(), path.name
 
 

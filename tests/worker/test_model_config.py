@@ -2,8 +2,8 @@
 
 import pytest
 
-from worker.model.config import ModelConfig
-from worker.model.tiny import tiny_config
+from protocol.model.config import ModelConfig
+from protocol.model.source import tiny_config
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,7 +8,7 @@ import pytest
 from protocol.config import engine_config
 from tests.worker.harness import Driver, kv_config
 from worker.model.gguf_loader import _unpermute
-from worker.model.tokenizer import load_tokenizer
+from protocol.model.tokenizer import load_tokenizer
 from worker.worker import Worker
 
 pytest.importorskip("gguf")

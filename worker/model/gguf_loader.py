@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from worker.model.gguf_meta import field, open_gguf
+from protocol.model.gguf_meta import gguf_config, open_gguf
 
 _NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -18,29 +18,6 @@ _NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-
-
-def gguf_config(reader) -> dict:
-    """An HF-style config.json dict from the GGUF metadata."""
-    arch = field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; only llama")
-    heads = field(reader, "llama.attention.head_count")
-    eos = field(reader, "tokenizer.ggml.eos_token_id")
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": field(reader, "llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
-        "hidden_size": field(reader, "llama.embedding_length"),
-        "intermediate_size": field(reader, "llama.feed_forward_length"),
-        "num_hidden_layers": field(reader, "llama.block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": field(reader, "llama.attention.head_count_kv", heads),
-        "rms_norm_eps": field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5),
-        "max_position_embeddings": field(reader, "llama.context_length", 2048),
-        "rope_theta": field(reader, "llama.rope.freq_base", 10000.0),
-        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
-        "eos_token_id": eos,
-    }
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -5,8 +5,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from protocol.model.config import ModelConfig
 from worker.attention_backends import Attention
-from worker.model.config import ModelConfig
 from worker.model.layers import (
     ColumnParallelLinear,
     RMSNorm,

@@ -2,9 +2,10 @@
 
 from pathlib import Path
 
-from worker.model.config import ModelConfig
-from worker.model.tiny import random_weights, tiny_config
-from worker.model.weights import WeightSource, read_config
+from protocol.model.config import ModelConfig
+from protocol.model.source import read_config, tiny_config
+from worker.model.tiny import random_weights
+from worker.model.weights import WeightSource
 
 
 def load_config_and_weights(model: str | None) -> tuple[dict, WeightSource]:

@@ -1,6 +1,5 @@
 """Read named tensors, or one rank's slice of them, from safetensors files or an in-memory dict."""
 
-import json
 from pathlib import Path
 
 import torch
@@ -34,7 +33,3 @@ class WeightSource:
         index = [slice(None)] * len(part.get_shape())
         index[dim] = slice(start, end)
         return part[tuple(index)]
-
-
-def read_config(folder: str | Path) -> dict:
-    return json.loads((Path(folder) / "config.json").read_text())

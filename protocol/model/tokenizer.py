@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from worker.model.gguf_meta import field, open_gguf
+from protocol.model.gguf_meta import field, open_gguf
 
 _GGUF_CONTROL = 3  # llama.cpp token type of special tokens such as <|im_start|>
 
