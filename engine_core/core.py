@@ -5,6 +5,7 @@ import logging
 import time
 from collections import deque
 
+from engine_core.async_scheduler import AsyncScheduler
 from engine_core.executor.abstract import Executor
 from engine_core.kv_cache.planning import KVCacheSizingError, capacity_line, get_kv_cache_config
 from engine_core.scheduler import Scheduler
@@ -73,8 +74,9 @@ class EngineCore:
         self.max_model_len, self.kv_cache_config = plan_kv_cache(config, reports)
         self.config = config
         executor.initialize_kv_cache(self.kv_cache_config)
-        self.scheduler = Scheduler(self.config, self.kv_cache_config, self.max_model_len,
-                                   reports[0].eos_token_ids, reports[0].vocab_size)
+        scheduler_cls = AsyncScheduler if config.scheduler.async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(self.config, self.kv_cache_config, self.max_model_len,
+                                       reports[0].eos_token_ids, reports[0].vocab_size)
         self._pending: list[EngineCoreOutput] = []  # rejections and aborts, sent with the next step
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight: deque[SchedulerOutput] = deque()  # async scheduling: sent, output not applied yet

@@ -8,23 +8,20 @@ off a waiting request whose tokens do not fit the remaining budget is not split,
 until a later step.
 When a running request cannot get a block, the newest running request (or, with the priority
 policy, the least important) is preempted: its blocks are freed and it is recomputed later.
-
-With async_scheduling the engine core schedules step N+1 before step N's output is back, as vLLM's
-AsyncScheduler does: a request whose step N samples a token holds one output placeholder, counted in
-num_computed_tokens but not yet in its tokens, so step N+1 can feed it (the workers know the token).
-A request that stops on a token is therefore computed one step more, and that output is dropped; one
-whose step in flight reaches its length limit is not scheduled again. A request preempted with a step
-in flight still gets that step's token (it is stale: appended, never recomputed).
+Async scheduling's output placeholders (async_scheduler.py) are counted here too: without it they stay 0.
 """
 
 from collections.abc import Iterable
-from itertools import repeat
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from engine_core.kv_cache.hashing import get_hash_fn, get_request_block_hasher
 from engine_core.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from engine_core.kv_cache.planning import blocks_per_request
 from engine_core.request import FINISH_REASON, Request, RequestStatus
 from engine_core.request_queue import make_request_queue
+from engine_core.sampled_tokens import sampled_rows
+from engine_core.scheduler_stats import make_scheduler_stats
 from protocol import (
     CachedRequestData,
     EngineCoreOutput,
@@ -34,13 +31,26 @@ from protocol import (
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
-    TokenLogprobs,
     block_ids_digest,
 )
 from protocol.config import EngineConfig
 
 
+@dataclass(slots=True)
+class _ScheduleState:
+    """What one schedule() call has decided so far: its running pass hands it to its waiting pass."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    req_to_new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
+    scheduled_running_reqs: list[Request] = field(default_factory=list)
+    scheduled_new_reqs: list[Request] = field(default_factory=list)
+    preempted_reqs: list[Request] = field(default_factory=list)
+
+
 class Scheduler:
+    async_scheduling: ClassVar[bool] = False  # AsyncScheduler's hooks keep output placeholders
+
     def __init__(
         self,
         config: EngineConfig,
@@ -77,7 +87,8 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_usable_blocks = kv_cache_config.num_blocks - 1
-        self.async_scheduling = config.scheduler.async_scheduling
+        if config.scheduler.async_scheduling != self.async_scheduling:  # EngineCore picks the class by it
+            raise ValueError(f"{type(self).__name__} cannot run with async_scheduling={self.async_scheduling}")
 
     # ---- requests in and out ---------------------------------------------------------------
 
@@ -147,18 +158,19 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step's tokens. Nothing scheduled is a valid answer."""
-        budget = self.config.max_num_batched_tokens
-        num_scheduled_tokens: dict[str, int] = {}
-        new_blocks: dict[str, KVCacheBlocks] = {}
-        scheduled_running: list[Request] = []
-        scheduled_new: list[Request] = []
-        preempted: list[Request] = []
+        state = _ScheduleState(self.config.max_num_batched_tokens)
+        threshold = self._long_prefill_threshold()
+        self._schedule_running(state, threshold)
+        if not state.preempted_reqs:  # new admissions only when nobody had to make room this step
+            self._schedule_waiting(state, threshold)
+        return self._make_output(state)
 
+    def _schedule_running(self, state: _ScheduleState, threshold: int) -> None:
+        """Running requests in order, each as many tokens as it has uncomputed and the budget allows."""
         running = self.running  # changed in place by preemption
         allocate_slots = self.kv_cache_manager.allocate_slots
-        threshold = self._long_prefill_threshold()
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and state.token_budget > 0:
             request = running[i]
             placeholders = request.num_output_placeholders
             if placeholders and request.num_computed_tokens + 1 >= self._length_limit(request):
@@ -167,43 +179,54 @@ class Scheduler:
             num_new_tokens = len(request.all_token_ids) + placeholders - request.num_computed_tokens
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
-            num_new_tokens = min(num_new_tokens, budget)
+            num_new_tokens = min(num_new_tokens, state.token_budget)
             if num_new_tokens <= 0:
                 i += 1
                 continue
             blocks = allocate_slots(request, num_new_tokens)
-            while blocks is None:
-                victim = self._pick_victim()
-                if self.running.index(victim) < i:  # priority policy may pick one already passed
-                    i -= 1
-                if victim in scheduled_running:
-                    scheduled_running.remove(victim)
-                    budget += num_scheduled_tokens.pop(victim.request_id)
-                    del new_blocks[victim.request_id]
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-                blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
             if blocks is None:
-                break  # it preempted itself: as in vLLM, no running request after it gets this step
-            scheduled_running.append(request)
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            new_blocks[request.request_id] = blocks
-            budget -= num_new_tokens
+                blocks, i = self._preempt_until_allocated(request, num_new_tokens, i, state)
+                if blocks is None:
+                    break  # it preempted itself: as in vLLM, no running request after it gets this step
+            state.scheduled_running_reqs.append(request)
+            state.num_scheduled_tokens[request.request_id] = num_new_tokens
+            state.req_to_new_blocks[request.request_id] = blocks
+            state.token_budget -= num_new_tokens
             i += 1
 
-        # New admissions only when nobody had to make room this step.
-        while not preempted and len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.peek()
-            hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+    def _preempt_until_allocated(
+        self, request: Request, num_new_tokens: int, i: int, state: _ScheduleState
+    ) -> tuple[KVCacheBlocks | None, int]:
+        """Preempt until running[i] gets its slots; None if it had to preempt itself. Also its index afterwards."""
+        blocks = None
+        while blocks is None:
+            victim = self._pick_victim()
+            if self.running.index(victim) < i:  # priority policy may pick one already passed
+                i -= 1
+            if victim in state.scheduled_running_reqs:
+                state.scheduled_running_reqs.remove(victim)
+                state.token_budget += state.num_scheduled_tokens.pop(victim.request_id)
+                del state.req_to_new_blocks[victim.request_id]
+            self._preempt(victim)
+            state.preempted_reqs.append(victim)
+            if victim is request:
+                break
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+        return blocks, i
+
+    def _schedule_waiting(self, state: _ScheduleState, threshold: int) -> None:
+        """Admit waiting requests in queue order while the budget, max_num_seqs and the pool allow."""
+        manager, waiting = self.kv_cache_manager, self.waiting
+        while len(waiting) and state.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = waiting.peek()
+            hits, num_hit_tokens = manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_hit_tokens
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
-            if not self.config.enable_chunked_prefill and num_new_tokens > budget:
+            if not self.config.enable_chunked_prefill and num_new_tokens > state.token_budget:
                 break  # not split: it stays at the head of the queue until a step has room for all of it
-            num_new_tokens = min(num_new_tokens, budget)
-            blocks = self.kv_cache_manager.allocate_slots(
+            num_new_tokens = min(num_new_tokens, state.token_budget)
+            blocks = manager.allocate_slots(
                 request,
                 num_new_tokens,
                 num_hit_tokens,
@@ -213,18 +236,16 @@ class Scheduler:
             )
             if blocks is None:
                 break  # first come first served: nobody overtakes the head of the queue
-            self.waiting.pop()
+            waiting.pop()
             self.running.append(request)
-            scheduled_new.append(request)
+            state.scheduled_new_reqs.append(request)
             request.status = RequestStatus.RUNNING
             request.admitted_step = self.step + 1  # an admission always sends a step
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            budget -= num_new_tokens
-
-        return self._make_output(scheduled_new, scheduled_running, new_blocks, num_scheduled_tokens, preempted)
+            state.num_scheduled_tokens[request.request_id] = num_new_tokens
+            state.token_budget -= num_new_tokens
 
     def _long_prefill_threshold(self) -> int:
         """The threshold keeps a long prompt from starving the others of the budget: with no other request
@@ -252,15 +273,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.prepend(request)
 
-    def _make_output(
-        self,
-        scheduled_new: list[Request],
-        scheduled_running: list[Request],
-        new_blocks: dict[str, KVCacheBlocks],
-        num_scheduled_tokens: dict[str, int],
-        preempted: list[Request],
-    ) -> SchedulerOutput:
+    def _make_output(self, state: _ScheduleState) -> SchedulerOutput:
         manager = self.kv_cache_manager
+        num_scheduled_tokens, preempted = state.num_scheduled_tokens, state.preempted_reqs
         new_reqs = [
             NewRequestData(
                 req_id=r.request_id,
@@ -270,25 +285,10 @@ class Scheduler:
                 block_ids=manager.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
             )
-            for r in scheduled_new
+            for r in state.scheduled_new_reqs
         ]
-        req_ids: list[str] = []
-        new_block_ids: list[list[list[int]] | None] = []
-        num_computed: list[int] = []
-        for r in scheduled_running:
-            rid = r.request_id
-            blocks = new_blocks[rid].blocks
-            req_ids.append(rid)
-            new_block_ids.append([[b.block_id for b in group] for group in blocks] if any(blocks) else None)
-            num_computed.append(r.num_computed_tokens)
-            r.num_computed_tokens += num_scheduled_tokens[rid]  # tokens count as computed once scheduled
-        for r in scheduled_new:
-            r.num_computed_tokens += num_scheduled_tokens[r.request_id]
-        if self.async_scheduling:  # a step that reaches a request's last known token samples one more
-            for r in (*scheduled_running, *scheduled_new):
-                if r.num_computed_tokens >= len(r.all_token_ids) + r.num_output_placeholders:
-                    r.num_output_placeholders += 1
-        cached = CachedRequestData(req_ids=req_ids, new_block_ids=new_block_ids, num_computed_tokens=num_computed)
+        cached = self._make_cached_request_data(state)
+        self._update_after_schedule([*state.scheduled_running_reqs, *state.scheduled_new_reqs], num_scheduled_tokens)
         digests = None
         if self.config.check_block_tables:
             digests = {rid: block_ids_digest(manager.get_block_ids(rid)) for rid in num_scheduled_tokens}
@@ -308,16 +308,33 @@ class Scheduler:
             block_table_digests=digests,
         )
 
+    def _make_cached_request_data(self, state: _ScheduleState) -> CachedRequestData:
+        """Running requests: the block ids appended this step (None if none) and the tokens computed before it."""
+        req_ids: list[str] = []
+        new_block_ids: list[list[list[int]] | None] = []
+        num_computed: list[int] = []
+        for r in state.scheduled_running_reqs:
+            blocks = state.req_to_new_blocks[r.request_id].blocks
+            req_ids.append(r.request_id)
+            new_block_ids.append([[b.block_id for b in group] for group in blocks] if any(blocks) else None)
+            num_computed.append(r.num_computed_tokens)
+        return CachedRequestData(req_ids=req_ids, new_block_ids=new_block_ids, num_computed_tokens=num_computed)
+
+    def _update_after_schedule(self, scheduled: list[Request], num_scheduled_tokens: dict[str, int]) -> None:
+        """Tokens count as computed once scheduled."""
+        for request in scheduled:
+            request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, finish requests that are done, and say what each client gets."""
-        requests, running_status, append_tokens = self.requests, RequestStatus.RUNNING, self._append_tokens
+        requests, running_status, update_request = self.requests, RequestStatus.RUNNING, self._update_request_with_output
         outputs = []
         num_generated = 0
         num_finished = 0
-        async_scheduling, step = self.async_scheduling, scheduler_output.step
-        for req_id, token_ids, token_logprobs in _sampled_rows(scheduler_output, model_runner_output):
+        step = scheduler_output.step
+        for req_id, token_ids, token_logprobs in sampled_rows(scheduler_output, model_runner_output):
             request = requests.get(req_id)
             if request is None or not token_ids or request.admitted_step > step:
                 continue  # finished or aborted while the step ran (its id maybe taken since), or nothing sampled
@@ -328,12 +345,8 @@ class Scheduler:
                 request.num_stale_output_tokens -= len(token_ids)
             if not request.output_token_ids:
                 self.num_prompt_tokens += request.num_prompt_tokens
-            new_token_ids, status = append_tokens(request, token_ids)
+            new_token_ids, status = update_request(request, token_ids)
             num_generated += len(new_token_ids)
-            if async_scheduling and running:  # the placeholder is a token now: its block may be full
-                request.num_output_placeholders -= len(token_ids)
-                self.kv_cache_manager.cache_blocks(
-                    request, request.num_computed_tokens - request.num_output_placeholders)
             reason = None
             if status is not None:
                 if not running:
@@ -348,7 +361,9 @@ class Scheduler:
             self.running[:] = [r for r in self.running if r.status == running_status]
         return outputs
 
-    def _append_tokens(self, request: Request, token_ids: list[int]) -> tuple[list[int], RequestStatus | None]:
+    def _update_request_with_output(
+        self, request: Request, token_ids: list[int]
+    ) -> tuple[list[int], RequestStatus | None]:
         """The tokens up to the first that finishes the request, appended in one call (one hashing pass)."""
         params = request.sampling_params
         stop_ids = request.stop_token_ids
@@ -373,47 +388,4 @@ class Scheduler:
         return new_token_ids, status
 
     def make_stats(self) -> SchedulerStats:
-        """O(running requests): cheap enough for a snapshot several times a second on a large pool."""
-        manager = self.kv_cache_manager
-        pool = manager.block_pool
-        prefix = manager.prefix_cache_stats
-        # Only running requests hold blocks, and only a request's last block per group can be partial
-        # (prefix hits are full blocks), so held blocks and stored tokens follow without a walk.
-        held = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
-        partial_fills = [
-            r.num_computed_tokens % self.block_size
-            for r in self.running
-            for _ in range(manager.num_kv_cache_groups)
-            if r.num_computed_tokens % self.block_size
-        ]
-        return SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=manager.get_usage(),
-            num_free_blocks=pool.get_num_free_blocks(),
-            num_blocks_held=held,
-            num_cached_free_blocks=pool.num_cached_free_blocks,
-            num_tokens_stored=(held - len(partial_fills)) * self.block_size + sum(partial_fills),
-            prefix_cache_queries=prefix.queries,
-            prefix_cache_hits=prefix.hits,
-            num_preemptions=self.num_preemptions,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens,
-            step=self.step,
-        )
-
-
-def _sampled_rows(
-    scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-) -> Iterable[tuple[str, list[int] | None, TokenLogprobs | None]]:
-    """Per scheduled request in schedule order: its sampled tokens and logprobs (None where the runner gave none)."""
-    scheduled = scheduler_output.num_scheduled_tokens
-    req_ids, sampled, logprobs = (
-        model_runner_output.req_ids, model_runner_output.sampled_token_ids, model_runner_output.logprobs
-    )
-    columns_match = len(sampled) == len(req_ids) and (logprobs is None or len(logprobs) == len(req_ids))
-    if columns_match and req_ids == list(scheduled):  # the usual answer: one row per request, in schedule order
-        return zip(req_ids, sampled, logprobs or repeat(None), strict=False)
-    sampled_of = dict(zip(req_ids, sampled, strict=False))
-    logprobs_of = dict(zip(req_ids, logprobs or [], strict=False))
-    return ((req_id, sampled_of.get(req_id), logprobs_of.get(req_id)) for req_id in scheduled)
+        return make_scheduler_stats(self)
