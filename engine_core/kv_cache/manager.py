@@ -34,6 +34,29 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
+    """The ledger the scheduler calls: each request's blocks per KV cache group, prefix-cache hits, free blocks.
+
+    One request's tokens as allocate_slots sees them (a, b, c, d are token counts from its start):
+
+        0              a                   b                  c                   d
+        |   computed   |   new computed    |       new        |     lookahead     |
+        +--------------+-------------------+------------------+-------------------+
+          blocks held    prefix-cache hits   tokens computed    slots reserved for
+          already        adopted now         this step          later, no tokens yet
+
+        a = request.num_computed_tokens
+        b = a + num_new_computed_tokens      (their blocks: new_computed_blocks)
+        c = b + num_new_tokens
+        d = c + num_lookahead_tokens
+
+    Blocks must cover [0, min(d, max_model_len)): computed blocks are held already, the new computed
+    blocks are adopted (a new request only), and new blocks come from the free queue for the rest.
+    First, blocks wholly before the sliding window of token b (num_skipped_blocks) become the null block.
+    Full blocks up to min(c, request.num_tokens) are hash-registered; lookahead slots are not.
+    With full_sequence_must_fit (admission), the whole request up to min(request.num_tokens,
+    max_model_len) must fit as well.
+    """
+
     def __init__(
         self,
         kv_cache_config: KVCacheConfig,
@@ -79,30 +102,8 @@ class KVCacheManager:
         full_sequence_must_fit: bool = False,
         has_scheduled_reqs: bool = False,
     ) -> KVCacheBlocks | None:
-        """Blocks for num_new_tokens more tokens. Counts first: on None nothing has changed.
-
-        One request's tokens as this call sees them (a, b, c, d are token counts from its start):
-
-            0              a                   b                  c                   d
-            |   computed   |   new computed    |       new        |     lookahead     |
-            +--------------+-------------------+------------------+-------------------+
-              blocks held    prefix-cache hits   tokens computed    slots reserved for
-              already        adopted now         this step          later, no tokens yet
-
-            a = request.num_computed_tokens
-            b = a + num_new_computed_tokens      (their blocks: new_computed_blocks)
-            c = b + num_new_tokens
-            d = c + num_lookahead_tokens
-
-        Blocks must cover [0, min(d, max_model_len)): computed blocks are held already, the new computed
-        blocks are adopted (a new request only), and new blocks come from the free queue for the rest.
-        First, blocks wholly before the sliding window of token b (num_skipped_blocks) become the null block.
-        Full blocks up to min(c, request.num_tokens) are hash-registered; lookahead slots are not.
-        With full_sequence_must_fit (admission), the whole request up to min(request.num_tokens,
-        max_model_len) must fit as well.
-
-        Returns only the blocks new to this call (for a new request, get_blocks() has all of them).
-        """
+        """Blocks for num_new_tokens more tokens (the spans: the class docstring). Counts first: on None nothing
+        has changed. Returns only the blocks new to this call (for a new request, get_blocks() has all of them)."""
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError(f"allocate_slots for {request.request_id} with no new and no computed tokens")
         if new_computed_blocks is None and self._fits_in_held_blocks(request, num_new_tokens, num_lookahead_tokens):
@@ -116,15 +117,8 @@ class KVCacheManager:
         watermark_blocks = 0
         if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             watermark_blocks = self.watermark_blocks
-        num_free = self.block_pool.get_num_free_blocks()
-
-        if full_sequence_must_fit:  # admission: the whole sequence, not just this chunk, must fit
-            full_num_tokens = min(request.num_tokens, self.max_model_len)
-            needed = self.coordinator.get_num_blocks_to_allocate(
-                request.request_id, full_num_tokens, hits, apply_admission_cap=True
-            )
-            if needed + watermark_blocks > num_free:
-                return None
+        if full_sequence_must_fit and not self._full_sequence_fits(request, hits, watermark_blocks):
+            return None
 
         num_tokens_need_slot = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         # Dropping blocks that left a window may free some; legal even if we then return None.
@@ -144,6 +138,16 @@ class KVCacheManager:
                 stats.queries += request.num_tokens
                 stats.hits += num_new_computed_tokens
         return KVCacheBlocks(new_blocks)
+
+    def _full_sequence_fits(
+        self, request: Request, hits: tuple[list[KVCacheBlock], ...], watermark_blocks: int
+    ) -> bool:
+        """Admission: the whole sequence up to min(request.num_tokens, max_model_len), not just this chunk."""
+        full_num_tokens = min(request.num_tokens, self.max_model_len)
+        needed = self.coordinator.get_num_blocks_to_allocate(
+            request.request_id, full_num_tokens, hits, apply_admission_cap=True
+        )
+        return needed + watermark_blocks <= self.block_pool.get_num_free_blocks()
 
     def _fits_in_held_blocks(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int) -> bool:
         """Most decode steps: one full-attention group, the new slots lie in blocks already held and no
