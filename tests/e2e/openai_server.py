@@ -6,7 +6,7 @@ import json
 from collections.abc import Iterator
 
 from tests.e2e.conftest import ServerProcess, wait_until
-from tests.e2e.test_observability import free_port
+from tests.e2e.serve_support import free_port
 
 SMALL = ["--max-model-len", "256", "--kv-cache-memory-bytes", "8MiB"]
 

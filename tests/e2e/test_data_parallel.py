@@ -13,7 +13,7 @@ from launch.client import AsyncEngineClient
 from protocol import EngineCoreGetStats, EngineCoreOutputs, EngineCoreRequest, SamplingParams, SchedulerStats
 from protocol.codec import client_codec, outputs_codec
 from tests.e2e.conftest import ServerProcess, cmdline, descendants, processes_in_group, wait_exit, wait_until
-from tests.e2e.test_serve import collect
+from tests.e2e.serve_support import collect
 
 SMALL = ["--max-model-len", "512", "--kv-cache-memory-bytes", "8MiB", "--dtype", "float32"]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -196,7 +196,7 @@ def test_data_parallel_refuses_multi_host_tensor_parallelism(start_server):
 
 def test_the_http_api_and_metrics_sit_in_front_of_the_router(start_server):
     from tests.e2e.openai_server import start_api_server
-    from tests.e2e.test_observability import free_port
+    from tests.e2e.serve_support import free_port
 
     metrics_port = free_port()
     api = start_api_server(start_server, "-dp", "2", "--router-policy", "round-robin", "--metrics-port",
@@ -220,7 +220,7 @@ def test_the_http_api_and_metrics_sit_in_front_of_the_router(start_server):
 
 
 def test_metrics_port_alone_shows_each_engine(start_server):
-    from tests.e2e.test_observability import free_port
+    from tests.e2e.serve_support import free_port
 
     port = free_port()
     server = start_server("-dp", "2", "--router-policy", "round-robin", "--metrics-port", str(port), *SMALL)

@@ -23,8 +23,7 @@ from protocol import EngineCoreRequest, SamplingParams
 from protocol.codec import client_codec, outputs_codec
 from protocol.kv_events import END_SEQ
 from tests.e2e.conftest import wait_until
-from tests.e2e.test_observability import free_port
-from tests.e2e.test_serve import prompts
+from tests.e2e.serve_support import free_port, prompts
 
 SEED = 20240611
 PROMPT = prompts(1, seed=7, lo=40, hi=41)[0]  # 40 tokens: two full blocks, so it publishes KV events

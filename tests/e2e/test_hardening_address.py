@@ -5,7 +5,7 @@ import socket
 
 from launch.client import AsyncEngineClient
 from tests.e2e.conftest import wait_exit
-from tests.e2e.test_serve import GREEDY, SMALL, collect
+from tests.e2e.serve_support import GREEDY, SMALL, collect
 
 PROMPT = [5, 17, 300, 42, 9]
 

@@ -10,7 +10,7 @@ import zmq.asyncio
 from launch.client import AsyncEngineClient, EngineDeadError
 from protocol import EngineCoreOutputs, SamplingParams, SchedulerStats
 from protocol.codec import outputs_codec
-from tests.e2e.test_serve import GREEDY, SMALL, collect
+from tests.e2e.serve_support import GREEDY, SMALL, collect
 
 PROMPT = [5, 17, 300, 42, 9]
 LIVENESS = 60.0  # seconds: a bound for an answer that should come at once, not a timing

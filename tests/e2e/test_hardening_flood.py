@@ -12,7 +12,7 @@ from protocol import EngineCoreOutputs, EngineCoreRequest, SamplingParams
 from protocol.codec import client_codec, outputs_codec
 from protocol.messages import EngineCoreGetStats
 from tests.e2e.conftest import ServerProcess, wait_until
-from tests.e2e.test_serve import SMALL, collect
+from tests.e2e.serve_support import SMALL, collect
 
 PROMPT = [5, 17, 300, 42, 9]
 GARBAGE = b"\xc1"  # a byte msgpack never uses
@@ -59,7 +59,7 @@ class Flood(threading.Thread):
 
 def test_a_good_client_is_served_while_another_floods_garbage(server):
     from tests.e2e.in_process import in_process_greedy
-    from tests.e2e.test_serve import GREEDY
+    from tests.e2e.serve_support import GREEDY
 
     expected = in_process_greedy([PROMPT], GREEDY)[0]
     flood = Flood(server.address)

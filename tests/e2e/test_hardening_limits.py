@@ -4,7 +4,7 @@ import asyncio
 
 from launch.client import AsyncEngineClient
 from protocol import SamplingParams
-from tests.e2e.test_serve import SMALL, collect, prompts
+from tests.e2e.serve_support import SMALL, collect, prompts
 
 LONG = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

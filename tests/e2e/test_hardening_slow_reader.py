@@ -9,7 +9,7 @@ from launch.client import AsyncEngineClient
 from protocol import EngineCoreRequest, SamplingParams
 from protocol.codec import client_codec, outputs_codec
 from tests.e2e.conftest import wait_until
-from tests.e2e.test_serve import collect
+from tests.e2e.serve_support import collect
 
 PROMPT = [5, 17, 300, 42, 9]
 REQUESTS = 32

@@ -18,7 +18,7 @@ from protocol import EngineCoreOutputs, EngineCoreRequest, SamplingParams
 from protocol.codec import client_codec, outputs_codec
 from protocol.messages import EngineCoreGetStats
 from tests.e2e.conftest import ServerProcess
-from tests.e2e.test_serve import GREEDY, SMALL, collect
+from tests.e2e.serve_support import GREEDY, SMALL, collect
 
 PROMPT = [5, 17, 300, 42, 9]
 REPLY_WAIT_MS = 60_000  # a liveness bound for a reply, not a timing

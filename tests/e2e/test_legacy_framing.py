@@ -6,7 +6,7 @@ import socket
 from launch.client import AsyncEngineClient
 from protocol import SamplingParams
 from tests.e2e.in_process import in_process_greedy
-from tests.e2e.test_serve import prompts
+from tests.e2e.serve_support import prompts
 
 
 def test_a_zmtp_1_0_message_on_the_ipc_socket_leaves_the_server_serving(start_server):

@@ -18,8 +18,7 @@ import pytest
 from launch.local_server import ServerStartError, wait_until_serving
 from tests.e2e.conftest import cmdline, wait_exit
 from tests.e2e.netns import SUBNET, Host, NamespaceError, two_hosts
-from tests.e2e.test_process_faults import stream_after_first_outputs
-from tests.e2e.test_serve import FP32, GREEDY, SMALL, generate_all, prompts
+from tests.e2e.serve_support import FP32, GREEDY, SMALL, generate_all, prompts, stream_after_first_outputs
 
 HOSTNAME = socket.gethostname()  # both namespaces share it: hosts are told apart by address
 NODES = ["-tp", "2", "--nnodes", "2", "--master-addr", f"{SUBNET}.1"]

@@ -2,7 +2,6 @@
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -11,13 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from launch.client import AsyncEngineClient
 from protocol import SamplingParams
-from tests.e2e.test_serve import prompts
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.e2e.serve_support import free_port, prompts
 
 
 def scrape(port: int) -> dict[str, float]:

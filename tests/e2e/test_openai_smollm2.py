@@ -3,7 +3,7 @@
 import openai
 
 from tests.e2e.openai_server import start_api_server
-from tests.launch.test_openai_text import smollm2_path
+from tests.launch.text_support import smollm2_path
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

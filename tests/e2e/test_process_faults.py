@@ -10,23 +10,8 @@ import sys
 
 import pytest
 
-from launch.client import AsyncEngineClient
-from protocol import SamplingParams
 from tests.e2e.conftest import processes_in_group, wait_exit
-from tests.e2e.test_serve import SMALL, generate_all, prompts
-
-LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-
-
-async def stream_after_first_outputs(address: str, n: int, act) -> list[list]:
-    """Start n long requests, call act() once each has an output (all running), then read them to the end."""
-    async with AsyncEngineClient(address) as client:
-        streams = [client.generate(p, LONG) for p in prompts(n, seed=11)]
-        outputs = [[await s.__anext__()] for s in streams]
-        act()
-        for outs, s in zip(outputs, streams, strict=True):
-            outs += [out async for out in s]
-        return outputs
+from tests.e2e.serve_support import SMALL, generate_all, prompts, stream_after_first_outputs
 
 
 def test_a_worker_that_dies_while_idle_stops_the_server(start_server):

@@ -9,7 +9,7 @@ import zmq
 from launch.client import AsyncEngineClient
 from launch.kv_event_subscriber import KVEventSubscriber
 from protocol import AllBlocksCleared, SamplingParams
-from tests.e2e.test_serve import prompts
+from tests.e2e.serve_support import prompts
 
 
 def reset_cli(address: str) -> subprocess.CompletedProcess:

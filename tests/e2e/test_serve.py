@@ -2,7 +2,6 @@
 
 import asyncio
 import os
-import random
 import signal
 import socket
 import time
@@ -14,32 +13,7 @@ import zmq
 from launch.client import AsyncEngineClient, EngineDeadError
 from protocol import SamplingParams
 from tests.e2e.conftest import processes_in_group, wait_exit
-
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-SMALL = ["--max-model-len", "512", "--kv-cache-memory-bytes", "8MiB", "--check-block-tables"]
-
-
-def prompts(n: int, seed: int = 0, lo: int = 4, hi: int = 60) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1024) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
-
-
-async def collect(client: AsyncEngineClient, prompt: list[int], params: SamplingParams = GREEDY):
-    tokens, last = [], None
-    async for out in client.generate(prompt, params):
-        tokens += out.new_token_ids
-        last = out
-    return tokens, last
-
-
-async def generate_all(address: str, batch: list[list[int]], params: SamplingParams = GREEDY):
-    async with AsyncEngineClient(address) as client:
-        return await asyncio.gather(*(collect(client, p, params) for p in batch))
-
-
-# In bfloat16 two ranks round their partial sums before the all-reduce, one rank does not: greedy tokens
-# across tensor-parallel sizes are exactly equal in float32, which these tests use.
-FP32 = ("--dtype", "float32")
+from tests.e2e.serve_support import FP32, GREEDY, SMALL, collect, generate_all, prompts
 
 
 @pytest.mark.parametrize("tp", [1, 2])

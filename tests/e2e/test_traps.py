@@ -15,7 +15,7 @@ import pytest
 from launch.client import AsyncEngineClient, EngineDeadError
 from protocol import SamplingParams
 from tests.e2e.conftest import cmdline, wait_until
-from tests.e2e.test_observability import free_port
+from tests.e2e.serve_support import free_port
 
 # Workloads far longer than any test waits: the command is stopped while its server is busy.
 LONG = {

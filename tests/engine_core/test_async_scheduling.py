@@ -1,11 +1,18 @@
 """Async scheduling: step N+1 is scheduled and sent before step N's output is applied (vLLM's
 AsyncScheduler behind a batch queue of two). The tokens every request gets must not change; what
 changes is when the ledger decides, and a request that stops is computed one step more. Random workloads
-in async mode: test_scheduler_hypothesis.py; against vLLM's own AsyncScheduler: bench/vllm_decisions.py."""
-
-from test_scheduler_support import assert_pool_empty, expected_tokens, make_core, make_request, prompt_of, run
+in async mode: test_scheduler_hypothesis.py; against vLLM's own AsyncScheduler:
+tests/conformance/test_vllm_decisions.py."""
 
 from protocol import SchedulerOutput
+from tests.engine_core.scheduler_support import (
+    assert_pool_empty,
+    expected_tokens,
+    make_core,
+    make_request,
+    prompt_of,
+    run,
+)
 
 
 def journal(ex) -> list[tuple[str, int]]:

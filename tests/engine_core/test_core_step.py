@@ -1,7 +1,13 @@
 """EngineCore: start-up sizing, the step loop, empty steps, what reaches the executor, wire validity."""
 
 import pytest
-from test_scheduler_support import (
+
+from engine_core.core import EngineCore
+from engine_core.kv_cache.planning import KVCacheSizingError
+from protocol import FullAttentionSpec, SlidingWindowSpec
+from protocol.codec import engine_to_worker_codec, outputs_codec
+from protocol.config import engine_config
+from tests.engine_core.scheduler_support import (
     SPEC,
     RecordingExecutor,
     assert_pool_empty,
@@ -11,12 +17,6 @@ from test_scheduler_support import (
     prompt_of,
     run,
 )
-
-from engine_core.core import EngineCore
-from engine_core.kv_cache.planning import KVCacheSizingError
-from protocol import FullAttentionSpec, SlidingWindowSpec
-from protocol.codec import engine_to_worker_codec, outputs_codec
-from protocol.config import engine_config
 
 # ---- start-up -------------------------------------------------------------------------------
 

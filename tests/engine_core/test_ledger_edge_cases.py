@@ -15,7 +15,15 @@ vLLM entry -> kvengine behaviour tested here:
 import logging
 
 import pytest
-from test_ledger_support import (
+
+from engine_core.kv_cache.block import KVCacheBlock
+from engine_core.kv_cache.block_pool import BlockPool
+from engine_core.kv_cache.coordinator import (
+    HybridKVCacheCoordinator,
+    UnitaryKVCacheCoordinator,
+    get_kv_cache_coordinator,
+)
+from tests.engine_core.ledger_support import (
     admit,
     check_invariants,
     full_spec,
@@ -25,14 +33,6 @@ from test_ledger_support import (
     queue_ids,
     snapshot,
     swa_spec,
-)
-
-from engine_core.kv_cache.block import KVCacheBlock
-from engine_core.kv_cache.block_pool import BlockPool
-from engine_core.kv_cache.coordinator import (
-    HybridKVCacheCoordinator,
-    UnitaryKVCacheCoordinator,
-    get_kv_cache_coordinator,
 )
 
 

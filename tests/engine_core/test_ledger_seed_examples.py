@@ -6,17 +6,6 @@
 """
 
 import pytest
-from test_ledger_support import (
-    admit,
-    check_invariants,
-    decode,
-    full_spec,
-    ids,
-    make_manager,
-    make_request,
-    queue_ids,
-    snapshot,
-)
 
 from engine_core.kv_cache.block import make_block_hash_with_group_id
 from engine_core.kv_cache.block_pool import BlockPool
@@ -30,6 +19,17 @@ from engine_core.kv_cache.planning import (
 )
 from protocol.kv_cache_spec import FullAttentionSpec
 from protocol.kv_events import MEDIUM_GPU, BlockRemoved, external_block_hash
+from tests.engine_core.ledger_support import (
+    admit,
+    check_invariants,
+    decode,
+    full_spec,
+    ids,
+    make_manager,
+    make_request,
+    queue_ids,
+    snapshot,
+)
 
 KiB, MiB = 1 << 10, 1 << 20
 

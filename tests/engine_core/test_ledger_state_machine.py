@@ -10,7 +10,9 @@ get evicted and allocations are refused often.
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from test_ledger_support import (
+
+from engine_core.request import RequestStatus
+from tests.engine_core.ledger_support import (
     EventMirror,
     cdiv,
     check_invariants,
@@ -20,8 +22,6 @@ from test_ledger_support import (
     snapshot,
     swa_spec,
 )
-
-from engine_core.request import RequestStatus
 
 TOKENS = st.integers(min_value=0, max_value=2)
 STEMS = [[0, 1, 2, 0, 1, 2, 0, 1], [1, 1, 1, 1, 2, 2], [2, 0, 2, 0]]

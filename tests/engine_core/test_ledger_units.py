@@ -9,20 +9,6 @@ import sys
 
 import pytest
 import xxhash
-from test_ledger_support import (
-    admit,
-    cdiv,
-    check_invariants,
-    decode,
-    full_spec,
-    ids,
-    make_config,
-    make_manager,
-    make_request,
-    queue_ids,
-    snapshot,
-    swa_spec,
-)
 
 from engine_core.kv_cache.block import KVCacheBlock, make_block_hash_with_group_id
 from engine_core.kv_cache.block_pool import BlockPool
@@ -46,8 +32,20 @@ from engine_core.kv_cache.single_type_manager import FullAttentionManager, Slidi
 from engine_core.request import RequestStatus
 from protocol.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
 from protocol.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, external_block_hash
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.engine_core.ledger_support import (
+    admit,
+    cdiv,
+    check_invariants,
+    decode,
+    full_spec,
+    ids,
+    make_config,
+    make_manager,
+    make_request,
+    queue_ids,
+    snapshot,
+    swa_spec,
+)
 
 
 class FakeRequest:
@@ -468,8 +466,6 @@ def test_block_hashes_chain_through_the_parent():
 
 
 _HASH_SCRIPT = """
-import sys
-sys.path.insert(0, {root!r})
 from engine_core.kv_cache.hashing import get_hash_fn, get_request_block_hasher
 from engine_core.request import Request
 for name in ("sha256", "xxhash"):
@@ -487,11 +483,10 @@ def _hashes_here():
 
 
 def test_hashes_are_identical_across_processes_and_hash_seeds():
-    script = _HASH_SCRIPT.format(root=ROOT)
     seen = []
     for seed in ("0", "12345", "random"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        res = subprocess.run([sys.executable, "-c", _HASH_SCRIPT], env=env, capture_output=True, text=True, check=True)
         seen.append(res.stdout.split("\n")[:2])
     assert seen[0] == seen[1] == seen[2] == _hashes_here()
 

@@ -3,10 +3,10 @@
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_scheduler_support import BLOCK_SIZE, make_core, make_request, prompt_of, run
 
 from launch.data_parallel.routing import PrefixIndex, RequestHasher, Router
 from protocol.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
+from tests.engine_core.scheduler_support import BLOCK_SIZE, make_core, make_request, prompt_of, run
 
 
 def stored(*hashes: int, group: int | None = 0) -> BlockStored:

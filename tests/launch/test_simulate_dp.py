@@ -3,13 +3,13 @@
 import json
 
 import pytest
-from test_simulate_support import fast_config, hand_trace, write_trace
 
 from launch.cli import main
 from launch.simulate.ceiling import count_prefix_hits
 from launch.simulate.dp_replay import DPReplay
 from launch.simulate.replay import Replay
 from launch.simulate.trace import parse_trace_lines
+from tests.launch.simulate_support import fast_config, hand_trace, write_trace
 
 
 def conversations(n: int):

@@ -7,7 +7,6 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_simulate_support import HAND_HITS, HAND_PROMPT_TOKENS, HAND_TRACE, fast_config, hand_trace
 
 from launch.simulate.ceiling import count_prefix_hits
 from launch.simulate.executor import CostModel
@@ -15,6 +14,7 @@ from launch.simulate.replay import Replay
 from launch.simulate.sweep import log_spaced, monotonic_violations, sweep
 from launch.simulate.trace import TRACE_BLOCK_TOKENS, parse_trace_lines
 from protocol.config import engine_config
+from tests.launch.simulate_support import HAND_HITS, HAND_PROMPT_TOKENS, HAND_TRACE, fast_config, hand_trace
 
 # ---- the ceiling ------------------------------------------------------------------------------------
 

@@ -7,13 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from protocol.config import engine_config
-from tests.worker.harness import Driver, hf_greedy, kv_config
-from tests.worker.test_worker_parity import FAMILIES, prompts
+from tests.worker.harness import Driver, hf_greedy
+from tests.worker.parity_support import FAMILIES, padded_worker, prompts, record_fills
 from worker.cuda_graphs import cuda_graph_sizes, decode_bucket, default_capture_sizes
 from worker.input_buffers import StepBuffers
 from worker.model.tiny import write_model
-from worker.worker import Worker
 
 pytest.importorskip("transformers")
 
@@ -85,28 +83,6 @@ def folder(request, tmp_path_factory):
     return write_model(tmp_path_factory.mktemp(request.param), spec.pop("architecture"), eos_token_id=None, **spec)
 
 
-def padded_worker(folder, sizes, backend="cpu", max_num_seqs=256):
-    w = Worker(engine_config(attention_backend=backend, model=str(folder), device="cpu", dtype="float32",
-                             max_model_len=256, max_num_seqs=max_num_seqs, kv_cache_memory_bytes=[1 << 26],
-                             check_block_tables=True))
-    w.runner.cuda_graph_sizes = sizes  # what the worker sets on CUDA; here the padded batches run eagerly
-    cfg = kv_config(w, 256)
-    w.init_kv_cache(cfg)
-    return w, cfg
-
-
-def record_fills(w) -> list[tuple[int, int, int]]:
-    """(real requests, padded tokens, padded requests) of every step the runner fills."""
-    seen, fill = [], w.runner.buffers.fill
-
-    def recording(ids, rows, computed, counts, num_padded_tokens, num_padded_reqs):
-        seen.append((len(rows), num_padded_tokens, num_padded_reqs))
-        return fill(ids, rows, computed, counts, num_padded_tokens, num_padded_reqs)
-
-    w.runner.buffers.fill = recording
-    return seen
-
-
 LENGTHS = [3, 17, 40, 75, 9]
 OUT_LENS = [10, 8, 6, 4, 2]  # decode batches shrink 5 -> 1, so most are padded
 
@@ -125,9 +101,9 @@ def test_padded_decode_batches_match_transformers_and_the_unpadded_run(folder):
     assert (3, 4, 4) in steps and (1, 2, 2) in steps and (2, 2, 2) in steps  # decodes padded to a size
     assert (5, 5, 0) in steps  # 5 decodes: more than the largest size, eager and unpadded
     assert steps[0] == (5, sum(LENGTHS), 0)  # the prefill: eager
-    pad = w.runner.pad_block
-    assert all(kv[:, :, pad, 0].abs().sum() > 0 for kv in w.runner.kv_tensors)  # the padding's K/V went there
-    assert all(kv[:, :, pad, 1:].abs().sum() == 0 for kv in w.runner.kv_tensors)  # and only to its first slot
+    pad = w.runner.kv.pad_block
+    assert all(kv[:, :, pad, 0].abs().sum() > 0 for kv in w.runner.kv.kv_tensors)  # the padding's K/V went there
+    assert all(kv[:, :, pad, 1:].abs().sum() == 0 for kv in w.runner.kv.kv_tensors)  # and only to its first slot
 
 
 def test_chunked_prefill_beside_decodes_runs_eagerly(folder):
@@ -142,7 +118,7 @@ def test_chunked_prefill_beside_decodes_runs_eagerly(folder):
 
 def test_block_tables_change_on_the_host_without_tensors_per_change(folder):
     w, cfg = padded_worker(folder, None)
-    table = w.runner.tables.groups[0]
+    table = w.runner.kv.tables.groups[0]
     assert table.table is table.host  # on the CPU the host table is the one the kernels read
     Driver(w, cfg).run(prompts([40]), 3)
     assert isinstance(table.np, np.ndarray) and not table.changed  # committed by the step

@@ -9,7 +9,7 @@ import torch
 
 from protocol.config import engine_config
 from tests.worker.harness import Driver, hf_greedy, kv_config
-from tests.worker.test_worker_parity import BF16_LOGIT_TOL, FAMILIES, prompts
+from tests.worker.parity_support import BF16_LOGIT_TOL, FAMILIES, prompts
 from worker.model.tiny import write_model
 from worker.worker import Worker
 

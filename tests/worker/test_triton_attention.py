@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is an optional extra: pip install 'kvengine[cuda]'")
 
-from tests.worker.test_cpu_attention_kernel import Batch, check_new_keys_landed, make_batch
+from tests.worker.attention_support import Batch, check_new_keys_landed, make_batch
 from worker.attention import GatherBuffer, StepRequests, build_metadata, paged_attention
 from worker.attention_backends import TritonAttention, resolve_backend
 from worker.ops.triton_attention import (
@@ -154,14 +154,14 @@ def test_without_triton_the_worker_imports_and_auto_falls_back_to_torch():
 def test_worker_greedy_tokens_equal_transformers(tmp_path, family_name):
     pytest.importorskip("transformers")
     from tests.worker.harness import Driver, hf_greedy
-    from tests.worker.test_worker_parity import FAMILIES, make_worker, prompts
+    from tests.worker.parity_support import FAMILIES, make_worker, prompts
     from worker.model.tiny import write_model
 
     spec = dict(FAMILIES[family_name])
     folder = write_model(tmp_path, spec.pop("architecture"), eos_token_id=None, **spec)
     ragged = prompts([3, 17, 40])
     w, cfg = make_worker(folder, "triton")
-    assert isinstance(w.runner.attention, TritonAttention)
+    assert isinstance(w.runner.kv.attention, TritonAttention)
     assert Driver(w, cfg, chunk=16).run(ragged, 6) == hf_greedy(folder, ragged, 6)
 
 
@@ -170,8 +170,7 @@ def test_padded_decode_batches_equal_transformers(tmp_path):
     Triton kernel (the interpreter here; on CUDA test_cuda_graphs_gpu.py replays them)."""
     pytest.importorskip("transformers")
     from tests.worker.harness import Driver, hf_greedy
-    from tests.worker.test_cuda_graphs import padded_worker, record_fills
-    from tests.worker.test_worker_parity import FAMILIES, prompts
+    from tests.worker.parity_support import FAMILIES, padded_worker, prompts, record_fills
     from worker.model.tiny import write_model
 
     spec = dict(FAMILIES["qwen2_sliding"])

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from tests.worker.test_cpu_attention_kernel import MIXED, Batch, make_batch
+from tests.worker.attention_support import MIXED, Batch, make_batch
 from worker.attention import GatherBuffer, StepRequests, build_metadata, paged_attention
 
 # triton is imported only inside the tests: test_triton_attention.py must set TRITON_INTERPRET before its first import

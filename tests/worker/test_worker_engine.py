@@ -7,7 +7,7 @@ from engine_core.core import EngineCore
 from protocol import EngineCoreRequest, SamplingParams
 from protocol.config import engine_config
 from tests.worker.harness import hf_greedy
-from tests.worker.test_worker_parity import FAMILIES, MAX_NEW, prompts
+from tests.worker.parity_support import FAMILIES, MAX_NEW, prompts
 from worker.inproc_executor import InProcExecutor
 from worker.model.tiny import write_model
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from protocol.config import engine_config
-from tests.worker.harness import Driver, hf_greedy, kv_config
-from tests.worker.test_worker_parity import FAMILIES, MAX_NEW, RAGGED
 from protocol.model.config import ModelConfig
 from protocol.model.source import tiny_config
+from tests.worker.harness import Driver, hf_greedy, kv_config
+from tests.worker.parity_support import FAMILIES, MAX_NEW, RAGGED
 from worker.model.tiny import write_model
 from worker.worker import Worker
 
