@@ -9,11 +9,10 @@ import torch
 from protocol import KVCacheConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
 from protocol.kv_cache_spec import num_skipped_blocks
 from protocol.sizes import cdiv
-from worker.attention_backends import Attention, BackendName, CpuKernelAttention, TorchAttention, TritonAttention
-from worker.block_table import BlockTableMismatch, BlockTables
+from worker.attention_backends import BackendName
+from worker.block_table import BlockTableMismatch
 from worker.cuda_graphs import CudaGraphs, decode_bucket
-from worker.input_buffers import StepBuffers
-from worker.memory import cpu_zeros_huge_pages
+from worker.kv_state import KVState, make_kv_state, padded_num_tokens
 from worker.model.llama import LlamaModel
 from worker.sampler import sample, token_logprobs
 
@@ -44,55 +43,23 @@ class ModelRunner:
         # The names this rank reports in its KV cache specs; the config's groups come back with them.
         self.layer_names = [f"model.layers.{i}.self_attn" for i in range(len(model.layers))]
         self.layer_index = {name: i for i, name in enumerate(self.layer_names)}
+        self.kv_state: KVState | None = None  # made by init_kv_cache, once the engine core has sized the cache
 
-    def init_kv_cache(self, cfg: KVCacheConfig, dtype: torch.dtype, device) -> None:
-        """Allocate KV tensors once: layer j of every group shares tensor j."""
-        groups = cfg.kv_cache_groups
-        self.block_size = groups[0].kv_cache_spec.block_size
-        if any(g.kv_cache_spec.block_size != self.block_size for g in groups):
-            raise ValueError("all KV cache groups must share one block size")
-        self.windows = [getattr(g.kv_cache_spec, "sliding_window", None) for g in groups]
-        m = self.model
-        # Padded decode batches write their padding requests' K/V to one more block, past the ledger's.
-        self.pad_block = cfg.num_blocks
-        num_blocks = cfg.num_blocks + (1 if self.cuda_graph_sizes else 0)
-        shape = (2, m.kv_heads_per_rank, num_blocks, self.block_size, m.cfg.head_dim)
-        num_tensors = max(len(g.layer_names) for g in groups)
-        if device.type == "cpu":
-            self.kv_tensors = [cpu_zeros_huge_pages(shape, dtype) for _ in range(num_tensors)]
-        else:
-            self.kv_tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_tensors)]
-        slots: dict[int, tuple[int, int]] = {}  # layer index -> (group, tensor)
-        for g, group in enumerate(groups):
-            for j, name in enumerate(group.layer_names):
-                if name not in self.layer_index:
-                    raise ValueError(f"the KV cache config names a layer this model does not have: {name!r}")
-                slots[self.layer_index[name]] = (g, j)
-        if len(slots) < len(m.layers):
-            raise ValueError("the KV cache config leaves some layers without a KV cache group")
-        self.layer_slots = [slots[i] for i in range(len(m.layers))]
-        self._check_windows(groups)
-        max_blocks = cdiv(self.max_model_len, self.block_size)
-        self.tables = BlockTables(len(groups), self.max_num_seqs, max_blocks, device)
-        self.attention: Attention
-        if self.attention_backend == "cpu":
-            self.attention = CpuKernelAttention(self.block_size)
-        elif self.attention_backend == "triton":
-            self.attention = TritonAttention(self.block_size)
-        else:
-            self.attention = TorchAttention(self.block_size, self.max_model_len, m.kv_heads_per_rank, m.cfg.head_dim,
-                                            dtype, device)
-        if self.cuda_graph_sizes and not self.attention.reads_rows:
-            raise ValueError("padded decode batches (CUDA graphs) need the triton or cpu attention backend")
-        self.device = device
-        graph_max = self.cuda_graph_sizes[-1] if self.cuda_graph_sizes else 0
-        self.buffers = StepBuffers(max(padded_num_tokens(self.max_num_batched_tokens), graph_max),
-                                   max(self.max_num_seqs, graph_max), max_blocks, len(groups), device)
-        # oneDNN JIT-compiles a matmul kernel per shape for bf16/fp16 on CPU, ~5 ms and ~1 MiB each, kept for the
-        # life of the process: padding each step's token count to a few sizes bounds both (fp32 runs MKL's sgemm).
-        self.pad_tokens = device.type == "cpu" and dtype != torch.float32
+    def init_kv_cache(self, cfg: KVCacheConfig, dtype: torch.dtype, device: torch.device) -> None:
+        """Make the KV state for the engine core's block count (once, after the handshake)."""
+        self.kv_state = make_kv_state(
+            cfg, self.model, self.layer_index, dtype, device, max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
+            attention_backend=self.attention_backend, cuda_graph_sizes=self.cuda_graph_sizes,
+        )
         if self.cuda_graph_sizes and device.type == "cuda":
             self._capture()
+
+    @property
+    def kv(self) -> KVState:
+        if self.kv_state is None:
+            raise RuntimeError("the model runner has no KV cache yet: init_kv_cache comes first")
+        return self.kv_state
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -107,16 +74,12 @@ class ModelRunner:
         log.info("CUDA graphs: captured %d decode batch sizes (%s) in %.1f s", len(self.cuda_graph_sizes),
                  ", ".join(map(str, self.cuda_graph_sizes)), time.perf_counter() - start)
 
-    def _check_windows(self, groups) -> None:
-        for i, (g, _) in enumerate(self.layer_slots):
-            if self.model.layers[i].sliding_window != self.windows[g]:
-                raise ValueError(f"layer {i}'s sliding window does not match its KV cache group {g}'s spec")
-
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self.buffers.wait_for_copies()  # the host buffers and tables change from here on
+        kv = self.kv
+        kv.buffers.wait_for_copies()  # the host buffers and tables change from here on
         for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
             self.requests.pop(req_id, None)
-            self.tables.free(req_id)
+            kv.tables.free(req_id)
         batch = self._update_state(so)
         if not batch:
             return ModelRunnerOutput(step=so.step, req_ids=[], sampled_token_ids=[])
@@ -128,39 +91,43 @@ class ModelRunner:
                                  logprobs=logprobs)
 
     def _verify_tables(self, so: SchedulerOutput, batch) -> None:
+        kv = self.kv
         digests = so.block_table_digests or {}
         for req_id, _ in batch:
             if req_id not in digests:
                 raise BlockTableMismatch(
                     f"step {so.step}: block table check is on but {req_id!r} came without a digest"
                 )
-            self.tables.verify(req_id, digests[req_id])
+            kv.tables.verify(req_id, digests[req_id])
 
     def _update_state(self, so: SchedulerOutput) -> list[tuple[str, int]]:
         """Register new requests, append new blocks; the batch as (req_id, num_computed_tokens)."""
+        kv = self.kv
         batch = []
         for new in so.scheduled_new_reqs:
             tokens = [*new.prompt_token_ids, *new.output_token_ids]
             self.requests[new.req_id] = RequestState(tokens, len(new.prompt_token_ids), new.sampling_params)
-            self.tables.add(new.req_id, new.block_ids)
+            kv.tables.add(new.req_id, new.block_ids)
             batch.append((new.req_id, new.num_computed_tokens))
         cached = so.scheduled_cached_reqs
         for req_id, new_ids, nc in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True):
             if new_ids is not None:
-                self.tables.append(req_id, new_ids)
+                kv.tables.append(req_id, new_ids)
             batch.append((req_id, nc))
         return [(r, nc) for r, nc in batch if so.num_scheduled_tokens.get(r, 0) > 0]
 
     def _null_out_of_window(self, batch) -> None:
         """Blocks wholly before a sliding window hold the null block, as in the ledger's view."""
-        for g, window in enumerate(self.windows):
+        kv = self.kv
+        for g, window in enumerate(kv.windows):
             if window is not None:
                 for req_id, nc in batch:
-                    skipped = num_skipped_blocks(nc, window, self.block_size)
-                    self.tables.groups[g].null_skipped(self.tables.rows[req_id], skipped)
+                    skipped = num_skipped_blocks(nc, window, kv.block_size)
+                    kv.tables.groups[g].null_skipped(kv.tables.rows[req_id], skipped)
 
     def _run(self, batch: list[tuple[str, int]],
              num_scheduled: dict[str, int]) -> tuple[list[list[int]], list[TokenLogprobs | None] | None]:
+        kv = self.kv
         ids, counts, computed, samplers = [], [], [], []
         for i, (req_id, nc) in enumerate(batch):
             state, n = self.requests[req_id], num_scheduled[req_id]
@@ -172,60 +139,63 @@ class ModelRunner:
             if nc + n == len(state.token_ids):
                 samplers.append(i)
         num_tokens = len(ids)
-        rows = [self.tables.rows[r] for r, _ in batch]
+        rows = [kv.tables.rows[r] for r, _ in batch]
         bucket = decode_bucket(self.cuda_graph_sizes, counts)
         if bucket is not None:  # a decode batch padded to a captured size: every token is a request
             num_padded_tokens, num_padded_reqs = bucket, bucket
         else:
-            num_padded_tokens = padded_num_tokens(num_tokens) if self.pad_tokens else num_tokens
+            num_padded_tokens = padded_num_tokens(num_tokens) if kv.pad_tokens else num_tokens
             num_padded_reqs = 0
         metas = self._prepare(ids, rows, computed, counts, num_padded_tokens, num_padded_reqs)
         hidden = None if bucket is None else self.graphs.replay(bucket)
         if hidden is None:
             hidden = self._forward(num_padded_tokens, metas, num_tokens if bucket is None else bucket)
         result = self._sample(batch, hidden[:num_tokens], samplers)
-        self.buffers.record_copies()
+        kv.buffers.record_copies()
         return result
 
     def _prepare(self, ids: list[int], rows: list[int], computed: list[int], counts: list[int],
                  num_padded_tokens: int, num_padded_reqs: int) -> list:
         """Fill the persistent buffers with the step; the attention metadata of each layer."""
-        buf = self.buffers
+        kv = self.kv
+        buf = kv.buffers
         reqs = buf.fill(ids, rows, computed, counts, num_padded_tokens, num_padded_reqs)
-        self.tables.commit()
-        tables = [t.table for t in self.tables.groups]
-        if self.attention.reads_rows:  # the kernels read the scheduled requests' rows, gathered in batch order
+        kv.tables.commit()
+        tables = [t.table for t in kv.tables.groups]
+        if kv.attention.reads_rows:  # the kernels read the scheduled requests' rows, gathered in batch order
             # a graph's batch keeps the table's full width, so its buffer's layout never changes
             width = buf.max_num_blocks if num_padded_reqs else cdiv(int(buf.seq_lens.np[: len(rows)].max()),
-                                                                    self.block_size)
-            tables = buf.gather_block_tables(tables, reqs.rows, width, num_padded_reqs, self.pad_block)
-        metas = [self.attention.metadata(t, w, reqs) for t, w in zip(tables, self.windows, strict=True)]
-        return [metas[g] for g, _ in self.layer_slots]
+                                                                    kv.block_size)
+            tables = buf.gather_block_tables(tables, reqs.rows, width, num_padded_reqs, kv.pad_block)
+        metas = [kv.attention.metadata(t, w, reqs) for t, w in zip(tables, kv.windows, strict=True)]
+        return [metas[g] for g, _ in kv.layer_slots]
 
     def _forward(self, num_padded_tokens: int, metas: list, num_tokens: int | None = None) -> torch.Tensor:
         """The model over the buffers' first num_padded_tokens tokens, of which attention sees num_tokens (default:
         all); a padded decode batch's attention sees its padding requests too."""
-        buf = self.buffers
+        kv = self.kv
+        buf = kv.buffers
         return self.model.forward(
             buf.padded_input_ids(num_padded_tokens),
             buf.padded_positions(num_padded_tokens),
             num_padded_tokens if num_tokens is None else num_tokens,
-            [self.kv_tensors[j] for _, j in self.layer_slots],
+            [kv.kv_tensors[j] for _, j in kv.layer_slots],
             metas,
-            self.attention,
+            kv.attention,
         )
 
     def _sample(self, batch, hidden,
                 samplers: list[int]) -> tuple[list[list[int]], list[TokenLogprobs | None] | None]:
         """Per request of the batch: its sampled token ([] for a prefill chunk that samples nothing), and on
         rank 0 the log-probabilities of those that asked for them (None: no request did)."""
+        kv = self.kv
         out: list[list[int]] = [[] for _ in batch]
         logprobs: list[TokenLogprobs | None] | None = None
         if not samplers:
             return out, logprobs
-        last = self.buffers.sample_indices(samplers, len(batch))
+        last = kv.buffers.sample_indices(samplers, len(batch))
         rows = hidden[: len(batch)] if last is None else hidden.index_select(0, last)
-        if self.pad_tokens:  # the LM head's matmul too
+        if kv.pad_tokens:  # the LM head's matmul too
             rows = torch.nn.functional.pad(rows, (0, 0, 0, padded_num_tokens(len(samplers)) - len(samplers)))
         logits = self.model.logits(rows)
         logits = None if logits is None else logits[: len(samplers)]
@@ -244,10 +214,3 @@ class ModelRunner:
             out[i] = [t]
         return out, logprobs
 
-
-def padded_num_tokens(n: int) -> int:
-    """n rounded up to one of a few sizes: powers of two to 8, multiples of 16 to 256, then of 128."""
-    if n <= 8:
-        return 1 << (n - 1).bit_length()
-    step = 16 if n <= 256 else 128
-    return -(-n // step) * step

@@ -19,7 +19,7 @@ def test_groups_reach_the_layers_they_name(worker):
     # Interleaved groups: layer j of each group shares KV tensor j.
     groups = [KVCacheGroupSpec([names[3], names[0]], spec), KVCacheGroupSpec([names[1], names[2]], spec)]
     worker.init_kv_cache(KVCacheConfig(16, groups))
-    assert worker.runner.layer_slots == [(0, 1), (1, 0), (1, 1), (0, 0)]  # per layer: (group, tensor)
+    assert worker.runner.kv.layer_slots == [(0, 1), (1, 0), (1, 1), (0, 0)]  # per layer: (group, tensor)
 
 
 def test_a_layer_name_the_worker_did_not_report_is_refused(worker):
