@@ -3,19 +3,13 @@
 The first test to run compiles the extension (once per machine; later runs load the cached build).
 """
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from tests.worker.attention_support import MIXED, Batch, check_new_keys_landed, make_batch
 from worker.attention import GatherBuffer, StepRequests, build_metadata, paged_attention
-from worker.ops import cpu_attention
 from worker.ops.cpu_attention import (
-    CpuAttentionUnavailable,
     cpu_paged_attention,
-    load_extension,
     paged_attention_cpu,
 )
 
@@ -136,34 +130,3 @@ def test_a_visible_null_block_is_refused():
     b.meta.block_table[0, 1] = 0
     with pytest.raises(RuntimeError, match="not a real block"):
         run(b)
-
-
-def load_in_another_process() -> str:
-    """load_extension() in a fresh interpreter; its log."""
-    code = (
-        "import logging; logging.basicConfig(level=logging.INFO);"
-        "from worker.ops.cpu_attention import load_extension; load_extension()"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
-    return done.stderr
-
-
-def test_a_second_process_loads_the_cached_build():
-    load_extension()
-    assert "loaded the cached build" in load_in_another_process()
-
-
-def test_a_build_lock_left_by_a_killed_build_is_removed():
-    load_extension()
-    lock = cpu_attention.build_directory() / "lock"
-    lock.touch()  # as torch leaves it when its builder is killed mid-compile: a fresh one, nobody holding it
-    log = load_in_another_process()
-    assert "removing the build lock a killed build left" in log
-    assert "loaded the cached build" in log
-    assert not lock.exists()
-
-
-def test_a_missing_compiler_is_one_clear_error(monkeypatch):
-    monkeypatch.setenv("CXX", "no-such-compiler-here")
-    with pytest.raises(CpuAttentionUnavailable, match="no C\\+\\+ compiler: 'no-such-compiler-here'"):
-        cpu_attention._build()

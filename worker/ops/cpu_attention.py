@@ -1,47 +1,20 @@
 """kvengine's CPU kernels (in-place paged attention, and a decoder layer's fused elementwise ops): one C++
-extension compiled on first use, cached per machine.
+extension compiled on first use and cached (worker/ops/cpu_build.py says where and when it is rebuilt).
 
-The build lives under ~/.cache/kvengine/torch_extensions/ (or $XDG_CACHE_HOME), one folder per torch
-version, Python version and CPU vector ISA (torch's own capability check: AVX512, AVX2 or none), so a
-second process loads it without compiling and a machine with another ISA gets its own build. Any
-reason the extension cannot be had (no compiler, no ninja, a failed build) raises one
+Any reason the extension cannot be had (no compiler, no ninja, a failed build) raises one
 CpuAttentionUnavailable naming the cause; the caller falls back to the torch path.
 """
 
-import fcntl
 import functools
 import logging
-import os
-import shutil
-import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from worker.ops.cpu_build import CpuAttentionUnavailable, build_extension, cpu_flags
+
 log = logging.getLogger(__name__)
-
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "layer_ops.cpp", "module.cpp")]
-EXTENSION_NAME = "kvengine_paged_attention"
-ISA_FLAGS = {
-    "AVX512": [
-        "-mavx512f",
-        "-mavx512bw",
-        "-mavx512dq",
-        "-mavx512vl",
-        "-mavx2",
-        "-mfma",
-        "-mf16c",
-        "-mprefer-vector-width=512",
-    ],
-    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
-}
-
-
-class CpuAttentionUnavailable(RuntimeError):
-    """The CPU attention extension cannot be built or loaded here; use the torch path."""
 
 
 @dataclass
@@ -98,12 +71,6 @@ def cpu_paged_attention(
     return paged_attention_cpu(q, cache, meta.block_table, meta.query_start_loc, meta.seq_lens, meta.window, scale)
 
 
-def build_directory() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvengine" / "torch_extensions"
-    isa = torch.backends.cpu.get_cpu_capability() + ("-bf16" if "-mavx512bf16" in isa_flags() else "")
-    return base / f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}-{isa.lower()}"
-
-
 def load_extension() -> ModuleType:
     """The compiled module: built (first use on this machine) or loaded once per process. A failure is
     kept and raised again on every call, so a caller that falls back pays for one attempt only."""
@@ -116,65 +83,12 @@ def load_extension() -> ModuleType:
 @functools.cache
 def _load_once() -> ModuleType | CpuAttentionUnavailable:
     try:
-        return _build()
+        return build_extension()
     except CpuAttentionUnavailable as e:
         log.warning("%s", e)
         return e
 
 
-def _build() -> ModuleType:
-    from torch.utils import cpp_extension
-
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        raise CpuAttentionUnavailable(f"no C++ compiler: {compiler!r} is not on PATH (set CXX or install g++)")
-    if not cpp_extension.is_ninja_available():
-        raise CpuAttentionUnavailable("the ninja build tool is missing (pip install ninja)")
-    folder = build_directory()
-    folder.mkdir(parents=True, exist_ok=True)
-    library = folder / f"{EXTENSION_NAME}.so"
-    start = time.perf_counter()
-    try:
-        with open(folder / "build.flock", "w") as flock:
-            # One process builds or loads at a time. The kernel drops a flock with its holder, so under it a
-            # torch build lock ("lock") can only be one a killed build left, on which torch would wait forever.
-            fcntl.flock(flock, fcntl.LOCK_EX)
-            if (folder / "lock").exists():
-                log.warning("removing the build lock a killed build left in %s", folder)
-                (folder / "lock").unlink()
-            before = library.stat().st_mtime_ns if library.exists() else None
-            module = cpp_extension.load(
-                name=EXTENSION_NAME,
-                sources=[str(source) for source in SOURCES],
-                # -fopenmp: at::parallel_for is inline and runs serially in code built without OpenMP
-                extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast", *isa_flags()],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(folder),
-            )
-    except (RuntimeError, OSError, ImportError) as e:
-        raise CpuAttentionUnavailable(f"building the CPU paged attention extension in {folder} failed: {e}") from e
-    how = "compiled" if library.stat().st_mtime_ns != before else "loaded the cached build"
-    log.info("CPU paged attention: %s in %.1f s (%s)", how, time.perf_counter() - start, folder)
-    return module
-
-
-def isa_flags() -> list[str]:
-    flags = ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
-    if "-mavx512f" in flags and "avx512_bf16" in cpu_flags():
-        flags = [*flags, "-mavx512bf16"]  # bf16 attention scores by vdpbf16ps
-    return flags
-
-
 def cpu_has_bf16() -> bool:
     """AVX512-BF16 or AMX-BF16: bf16 matmuls and attention run faster than fp32 here."""
     return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The flags line of /proc/cpuinfo (empty where there is no such file)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return frozenset(next(line for line in cpuinfo if line.startswith("flags")).split())
-    except (OSError, StopIteration):
-        return frozenset()
