@@ -15,6 +15,7 @@ import torch
 from protocol.sizes import format_bytes
 
 CPU_DEFAULT_SHARE = 0.25
+LAZY = "RAM taken as blocks are first written, none zeroed at start-up"  # how cpu_zeros_huge_pages allocates
 HUGE_PAGE_BYTES = 2 << 20
 
 
@@ -43,8 +44,10 @@ def cpu_budget(
     room = f"CPU default: room for {max_num_seqs:,} requests of {max_model_len:,} tokens"
     share = f"{CPU_DEFAULT_SHARE:.0%} of available RAM"
     if wanted <= cap:
-        return KVBudget(wanted, f"{room} = {format_bytes(wanted)} (under the cap of {share}, {format_bytes(cap)})")
-    return KVBudget(cap, f"{room} would need {format_bytes(wanted)}: capped at {share}, {format_bytes(cap)}")
+        rule = f"{room} = {format_bytes(wanted)} (under the cap of {share}, {format_bytes(cap)})"
+    else:
+        rule = f"{room} would need {format_bytes(wanted)}: capped at {share}, {format_bytes(cap)}"
+    return KVBudget(min(wanted, cap), f"{rule}; {LAZY}")
 
 
 def explicit_budget(kv_cache_memory_bytes: int) -> KVBudget:
@@ -84,8 +87,9 @@ def cpu_zeros_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
     """A zeroed CPU tensor on transparent huge pages where the kernel allows them (Linux: THP "always" or
     "madvise"). Attention reads scattered blocks: on 4 KiB pages nearly every block costs a TLB miss.
 
-    The memory is an anonymous mapping, asked for huge pages before it is touched, then written once so
-    that a short machine fails here rather than mid-serving; the tensor keeps the mapping alive.
+    The memory is an anonymous mapping, asked for huge pages and never written here: the kernel gives each page
+    zeroed when it is first written, so start-up costs nothing and RAM is taken as blocks are first used (zeroing
+    a default budget of gigabytes took 3-30 s at every start). The budget's RAM cap keeps it within the machine.
     """
     nbytes = math.prod(shape) * dtype.itemsize
     buf = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -93,6 +97,4 @@ def cpu_zeros_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
         buf.madvise(mmap.MADV_HUGEPAGE)
     raw = torch.frombuffer(buf, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE_BYTES  # huge pages cover only 2 MiB-aligned ranges
-    tensor = raw[start : start + nbytes].view(dtype).view(shape)
-    tensor.zero_()
-    return tensor
+    return raw[start : start + nbytes].view(dtype).view(shape)

@@ -29,7 +29,8 @@ def test_cpu_default_is_room_for_max_num_seqs_requests_of_max_model_len():
     b = memory.cpu_budget(24 * GIB, max_num_seqs=256, max_model_len=4096, blocks_per_request=256, block_bytes=64 * KIB)
     assert b.available_bytes == (256 * 256 + 1) * 64 * KIB
     assert b.detail == (
-        "CPU default: room for 256 requests of 4,096 tokens = 4 GiB (under the cap of 25% of available RAM, 6 GiB)"
+        "CPU default: room for 256 requests of 4,096 tokens = 4 GiB (under the cap of 25% of available RAM, 6 GiB); "
+        "RAM taken as blocks are first written, none zeroed at start-up"
     )
 
 
@@ -37,7 +38,8 @@ def test_cpu_default_is_capped_at_a_share_of_available_ram():
     b = memory.cpu_budget(8 * GIB, max_num_seqs=256, max_model_len=4096, blocks_per_request=256, block_bytes=64 * KIB)
     assert b.available_bytes == 2 * GIB == int(8 * GIB * memory.CPU_DEFAULT_SHARE)
     assert b.detail == (
-        "CPU default: room for 256 requests of 4,096 tokens would need 4 GiB: capped at 25% of available RAM, 2 GiB"
+        "CPU default: room for 256 requests of 4,096 tokens would need 4 GiB: capped at 25% of available RAM, 2 GiB; "
+        "RAM taken as blocks are first written, none zeroed at start-up"
     )
     # Exactly at the cap: the room rule still decides.
     exact = memory.cpu_budget(4 * (3 * 10 + 1) * MIB, max_num_seqs=3, max_model_len=160, blocks_per_request=10,
@@ -100,8 +102,8 @@ def test_profile_forward_runs_on_a_scratch_cache(tmp_path):
     assert w.runner.requests == {}
 
 
-def anon_huge_kib(address: int) -> int:
-    """AnonHugePages of the mapping that holds address, from /proc/self/smaps."""
+def smaps_field(address: int, field: str) -> int:
+    """A field (KiB) of the mapping that holds address, from /proc/self/smaps."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -109,9 +111,29 @@ def anon_huge_kib(address: int) -> int:
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= address < hi
-            elif inside and head == "AnonHugePages:":
+            elif inside and head == field:
                 return int(line.split()[1])
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def resident_kib(address: int) -> int:
+    """Rss of the mapping that holds address, from /proc/self/smaps."""
+    return smaps_field(address, "Rss:")
+
+
+def anon_huge_kib(address: int) -> int:
+    """AnonHugePages of the mapping that holds address, from /proc/self/smaps."""
+    return smaps_field(address, "AnonHugePages:")
+
+
+def test_cpu_kv_tensor_takes_ram_only_as_blocks_are_written():
+    """Start-up zeroes nothing: a 1 GiB cache costs no RAM until a block is written, then about that block's page."""
+    shape = (2, 4, 8192, 16, 128)  # 1 GiB of fp32 blocks of 32 KiB (K and V of 4 heads)
+    t = memory.cpu_zeros_huge_pages(shape, torch.float32)
+    assert resident_kib(t.data_ptr()) <= 4096  # at most the huge pages at the mapping's unaligned ends
+    t[:, :, 5000] = 1.0  # one block: 2 x 4 scattered 8 KiB pieces
+    assert resident_kib(t.data_ptr()) <= 4096 + 8 * 2048
+    assert t[:, :, 5000].eq(1.0).all() and not t[:, :, 4999].any() and not t[:, :, 5001].any()
 
 
 def test_cpu_kv_tensor_is_zeroed_aligned_and_on_huge_pages():
