@@ -204,3 +204,12 @@ def engine_config(**settings: object) -> EngineConfig:
 AREA_TYPES: dict[str, type[msgspec.Struct]] = {f.name: f.type for f in msgspec.structs.fields(EngineConfig)}
 AREAS = tuple(AREA_TYPES)
 AREA_OF = {f.name: area for area, t in AREA_TYPES.items() for f in msgspec.structs.fields(t)}
+
+
+def with_settings(config: EngineConfig, **settings: object) -> EngineConfig:
+    """config with some settings replaced, by flat field name (as engine_config takes them)."""
+    areas: dict[str, dict[str, object]] = {}
+    for name, value in settings.items():
+        areas.setdefault(AREA_OF[name], {})[name] = value
+    replaced = {area: msgspec.structs.replace(getattr(config, area), **values) for area, values in areas.items()}
+    return msgspec.structs.replace(config, **replaced)

@@ -23,12 +23,12 @@ from launch.simulate.executor import (
     DEFAULT_PREFILL_COST_PER_TOKEN,
     CostModel,
 )
-from launch.simulate.replay import Replay, SimConfig, check_settings, with_settings
+from launch.simulate.replay import Replay, SimConfig, check_settings
 from launch.simulate.report import dp_result_table, plot_sweep, result_table, sweep_table
 from launch.simulate.result import SimResult
 from launch.simulate.sweep import log_spaced, monotonic_violations, sweep
 from launch.simulate.trace import TRACE_BLOCK_TOKENS, TraceRequest, read_trace
-from protocol.config import AREA_OF, EngineConfig
+from protocol.config import AREA_OF, EngineConfig, with_settings
 
 ENGINE_AREAS = ("model", "cache", "scheduler", "parallel")
 # Of the parallel settings, a replay takes the data-parallel ones (N engine cores behind the router).

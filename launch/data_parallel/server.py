@@ -12,39 +12,27 @@ as clients of the router; its /metrics and --metrics-port show every engine's me
 `engine` label.
 """
 
-import contextlib
 import logging
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 import msgspec
 import zmq
 from prometheus_client import CollectorRegistry
-from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
 
 from engine_core.client_router import ClientRouter
 from engine_core.metrics import MetricsServer
 from launch.api_server.launcher import ApiServers
 from launch.client_endpoints import open_client_endpoints
-from launch.config_args import config_to_flags
+from launch.data_parallel.engines import EngineProcess, engine_cpu_binds
+from launch.data_parallel.metrics import EngineMetricsCollector
 from launch.data_parallel.routing import Router
-from launch.kv_event_subscriber import KVEventSubscriber
-from launch.local_server import die_with_parent
-from launch.simulate.replay import with_settings
 from protocol import (
     EngineCoreAbort,
     EngineCoreGetStats,
@@ -55,10 +43,9 @@ from protocol import (
     SchedulerStats,
 )
 from protocol.codec import client_codec, outputs_codec
-from protocol.config import EngineConfig
+from protocol.config import EngineConfig, with_settings
 from protocol.model.source import raw_config
 from protocol.process.signals import STOP_SIGNALS
-from protocol.process.worker_config import auto_binding, format_cores
 
 logger = logging.getLogger("kvengine.serve")
 POLL_MS = 100
@@ -80,90 +67,11 @@ def check_data_parallel(config: EngineConfig) -> str | None:
     return None
 
 
-def engine_cpu_binds(config: EngineConfig, usable: list[int]) -> list[str]:
-    """Each engine's --cpu-threads-bind. auto: the cores are split among the engines (one each, shared round
-    the engines when there are fewer cores than engines), and each engine binds its ranks in its own share as
-    one engine would in all of them; anything else applies to every engine as given."""
-    n, tp = config.parallel.data_parallel_size, config.parallel.tensor_parallel_size
-    bind = config.parallel.cpu_threads_bind
-    if bind != "auto" or config.parallel.device != "cpu":
-        return [bind] * n
-    share = len(usable) // n
-    shares = [usable[i * share:(i + 1) * share] for i in range(n)] if share else [[usable[i % len(usable)]]
-                                                                                   for i in range(n)]
-    return ["|".join(format_cores(c) for c in auto_binding(cores, tp)) for cores in shares]
-
-
 def resolved_max_model_len(config: EngineConfig) -> int:
     """The max_model_len the engines resolve (what the HTTP API checks prompts against)."""
     if config.model.max_model_len is not None:
         return config.model.max_model_len
     return int(raw_config(config.model.model).get("max_position_embeddings", 2048))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class EngineProcess:
-    """One engine core: its `kvengine serve` subprocess, the DEALER to it and the KV event subscriber."""
-
-    def __init__(self, index: int, config: EngineConfig, tmpdir: str, ctx: zmq.Context, metrics: bool) -> None:
-        """metrics: serve Prometheus metrics on a private port, for the router's endpoint."""
-        self.index = index
-        self.address = f"ipc://{tmpdir}/engine-{index}.sock"
-        self.metrics_port = free_port() if metrics else None
-        flags = config_to_flags(config) + ["--address", self.address, "--api-server-count", "0",
-                                           "--kv-events-endpoint", f"ipc://{tmpdir}/kv-events-{index}.sock",
-                                           "--kv-events-replay-endpoint", f"ipc://{tmpdir}/kv-replay-{index}.sock"]
-        if self.metrics_port is not None:
-            flags += ["--metrics-port", str(self.metrics_port), "--host", "127.0.0.1"]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "launch.cli", "serve", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent(),  # noqa: PLW1509 (it only calls prctl and getppid)
-        )
-        assert self.proc.stdout is not None
-        self.log_thread = threading.Thread(target=_relay_log, args=(self.proc.stdout, f"[engine {index}] "),
-                                           daemon=True, name=f"engine-{index}-log")
-        self.log_thread.start()
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 0)  # the router's loop never blocks on an engine
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.connect(self.address)
-        self.events = KVEventSubscriber(ctx, f"ipc://{tmpdir}/kv-events-{index}.sock",
-                                        f"ipc://{tmpdir}/kv-replay-{index}.sock")
-        self.ready = False
-        self.alive = True
-
-    def terminate(self) -> None:
-        """SIGTERM: the engine core fails its requests, stops its workers and exits."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-
-    def wait(self) -> None:
-        """Until it exited; SIGKILL if it takes longer than ENGINE_STOP_TIMEOUT."""
-        try:
-            self.proc.wait(ENGINE_STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            logger.error("Engine core %d did not stop within %.0f s; killing it", self.index, ENGINE_STOP_TIMEOUT)
-            self.proc.kill()
-            self.proc.wait()
-        self.log_thread.join(5)
-
-    def close_sockets(self) -> None:
-        self.sock.close()
-        self.events.close()
-
-
-def _relay_log(pipe: IO[bytes], prefix: str) -> None:
-    """An engine's log lines on this process's stderr, each with the engine's label."""
-    with pipe:
-        for line in pipe:
-            sys.stderr.write(prefix + line.decode(errors="replace"))
-            sys.stderr.flush()
 
 
 @dataclass
@@ -447,25 +355,3 @@ class DataParallelServer:
                 Path(self.client.address.removeprefix("ipc://")).unlink(missing_ok=True)
         self.ctx.term()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
-
-
-class EngineMetricsCollector:
-    """Every live engine's Prometheus metrics, fetched from its private endpoint, each sample labelled engine="i"."""
-
-    def __init__(self, engines: list[EngineProcess]) -> None:
-        self.engines = engines
-
-    def collect(self) -> Iterator[Metric]:
-        families: dict[str, Metric] = {}
-        for engine in self.engines:
-            if not engine.alive or engine.metrics_port is None:
-                continue
-            url = f"http://127.0.0.1:{engine.metrics_port}/metrics"
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(url, timeout=METRICS_FETCH_TIMEOUT) as response:
-                    text = response.read().decode()
-                for family in text_string_to_metric_families(text):
-                    merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
-                    merged.samples += [s._replace(labels={**s.labels, "engine": str(engine.index)})
-                                       for s in family.samples]
-        yield from families.values()

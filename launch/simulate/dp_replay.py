@@ -22,11 +22,11 @@ from launch.data_parallel.routing import Router, RouterPolicy
 from launch.percentiles import percentile
 from launch.simulate.ceiling import count_prefix_hits
 from launch.simulate.executor import SimExecutor
-from launch.simulate.replay import SimConfig, check_settings, pool_size, with_settings
+from launch.simulate.replay import SimConfig, check_settings, pool_size
 from launch.simulate.tokens import TokenSynthesizer
 from launch.simulate.trace import TraceRequest
 from protocol import EngineCoreOutput, EngineCoreRequest, KVCacheEvent, SamplingParams
-from protocol.config import EngineConfig
+from protocol.config import EngineConfig, with_settings
 
 # The ledger queues KV events only when an endpoint is configured; in a replay nothing is bound there.
 SIM_KV_EVENTS_ENDPOINT = "inproc://kvengine-simulate"

@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import msgspec
 from tqdm import tqdm
 
 from engine_core.core import EngineCore
@@ -25,7 +24,7 @@ from launch.simulate.result import SimResult
 from launch.simulate.tokens import TokenSynthesizer
 from launch.simulate.trace import TraceRequest, check_block_size
 from protocol import EngineCoreOutput, EngineCoreRequest, SamplingParams
-from protocol.config import AREA_OF, EngineConfig
+from protocol.config import EngineConfig, with_settings
 
 
 @dataclass(frozen=True)
@@ -57,15 +56,6 @@ def check_settings(config: EngineConfig, sim: SimConfig) -> None:
     check_block_size(block_size)
     if sim.kv_cache_tokens is not None and sim.kv_cache_tokens < block_size:
         raise ValueError(f"--kv-cache-tokens must be at least one block ({block_size} tokens)")
-
-
-def with_settings(config: EngineConfig, **settings: object) -> EngineConfig:
-    """config with some settings replaced, by flat field name (as protocol.config.engine_config takes them)."""
-    areas: dict[str, dict[str, object]] = {}
-    for name, value in settings.items():
-        areas.setdefault(AREA_OF[name], {})[name] = value
-    replaced = {area: msgspec.structs.replace(getattr(config, area), **values) for area, values in areas.items()}
-    return msgspec.structs.replace(config, **replaced)
 
 
 def infinite_num_blocks(requests: Sequence[TraceRequest], sim: SimConfig, block_size: int, hits: Sequence[int]) -> int:

@@ -5,11 +5,11 @@ from dataclasses import replace
 from itertools import pairwise
 
 from launch.simulate.ceiling import count_prefix_hits
-from launch.simulate.replay import Replay, SimConfig, with_settings
+from launch.simulate.replay import Replay, SimConfig
 from launch.simulate.result import SimResult
 from launch.simulate.tokens import TokenSynthesizer
 from launch.simulate.trace import TraceRequest
-from protocol.config import EngineConfig
+from protocol.config import EngineConfig, with_settings
 
 
 def log_spaced(lo: float, hi: float, points: int) -> list[int]:

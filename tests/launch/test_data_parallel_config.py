@@ -1,6 +1,7 @@
 """The serve side of data parallelism, without processes: each engine's cores, the summed stats, refusals."""
 
-from launch.data_parallel.server import check_data_parallel, engine_cpu_binds, sum_stats
+from launch.data_parallel.engines import engine_cpu_binds
+from launch.data_parallel.server import check_data_parallel, sum_stats
 from protocol import SchedulerStats
 from protocol.config import engine_config
 
