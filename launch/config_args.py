@@ -110,3 +110,32 @@ def config_to_flags(config: EngineConfig, areas: Iterable[str] = AREAS) -> list[
             else:
                 flags += [name, str(v)]
     return flags
+
+
+def flags_markdown() -> str:
+    """docs/flags.md: one table per area, generated from the config (tests/launch/test_flags_doc.py keeps it fresh)."""
+    out = ["# Flags", "",
+           "Generated from `protocol/config.py` by `python -m launch.config_args > docs/flags.md`; do not edit by hand.",
+           "`kvengine serve` takes every flag; `generate` and `bench` take the model, cache, scheduler and parallel",
+           "flags for the server they start. Names follow `vllm serve` where the concept is the same.", ""]
+    for area in AREAS:
+        doc = (AREA_TYPES[area].__doc__ or area).strip()
+        out += [f"## {area}", "", *([doc, ""] if doc != area else []), "| flag | default | meaning |", "|---|---|---|"]
+        for field in _fields(area):
+            t, help_text, extra = _unwrap(field.type)
+            names = " / ".join(f"`{n}`" for n in [f"--{field.name.replace('_', '-')}", *extra.get("aliases", [])])
+            if isinstance(t, mi.BoolType):
+                names += f" / `--no-{field.name.replace('_', '-')}`"
+                default = "on" if field.default else "off"
+            else:
+                default = "–" if field.default is None else f"`{field.default}`"
+            if isinstance(t, mi.LiteralType):
+                help_text += f" (one of: {', '.join(map(str, t.values))})"
+            meaning = (help_text + _range(t)).replace("|", "\\|")
+            out.append(f"| {names} | {default} | {meaning} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(flags_markdown(), end="")
