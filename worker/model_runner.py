@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol import KVCacheConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
+from protocol import KVCacheConfig, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from protocol.kv_cache_spec import num_skipped_blocks
 from protocol.sizes import cdiv
 from worker.attention_backends import BackendName
@@ -15,6 +15,7 @@ from worker.cuda_graphs import CudaGraphs, decode_bucket
 from worker.kv_state import KVState, make_kv_state, padded_num_tokens
 from worker.model.llama import LlamaModel
 from worker.sampler import sample, token_logprobs
+from worker.sampling_state import SamplingState
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +24,6 @@ log = logging.getLogger(__name__)
 class RequestState:
     token_ids: list[int]  # prompt + outputs so far
     num_prompt: int
-    params: SamplingParams
 
 
 class ModelRunner:
@@ -44,6 +44,9 @@ class ModelRunner:
         self.layer_names = [f"model.layers.{i}.self_attn" for i in range(len(model.layers))]
         self.layer_index = {name: i for i, name in enumerate(self.layer_names)}
         self.kv_state: KVState | None = None  # made by init_kv_cache, once the engine core has sized the cache
+        cfg = model.cfg  # only rank 0 samples: the other ranks get no logits
+        self.sampling = (SamplingState(max_num_seqs, cfg.vocab_size, cfg.eos_token_ids, model.lm_head.weight.device)
+                         if self.tp.rank == 0 else None)
 
     def init_kv_cache(self, cfg: KVCacheConfig, dtype: torch.dtype, device: torch.device) -> None:
         """Make the KV state for the engine core's block count (once, after the handshake)."""
@@ -79,6 +82,8 @@ class ModelRunner:
         kv.buffers.wait_for_copies()  # the host buffers and tables change from here on
         for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
             self.requests.pop(req_id, None)
+            if self.sampling is not None and req_id in kv.tables.rows:
+                self.sampling.remove(kv.tables.rows[req_id])
             kv.tables.free(req_id)
         batch = self._update_state(so)
         if not batch:
@@ -106,8 +111,10 @@ class ModelRunner:
         batch = []
         for new in so.scheduled_new_reqs:
             tokens = [*new.prompt_token_ids, *new.output_token_ids]
-            self.requests[new.req_id] = RequestState(tokens, len(new.prompt_token_ids), new.sampling_params)
-            kv.tables.add(new.req_id, new.block_ids)
+            self.requests[new.req_id] = RequestState(tokens, len(new.prompt_token_ids))
+            row = kv.tables.add(new.req_id, new.block_ids)
+            if self.sampling is not None:
+                self.sampling.add(row, new.sampling_params, new.prompt_token_ids, new.output_token_ids)
             batch.append((new.req_id, new.num_computed_tokens))
         cached = so.scheduled_cached_reqs
         for req_id, new_ids, nc in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True):
@@ -201,16 +208,25 @@ class ModelRunner:
         logits = None if logits is None else logits[: len(samplers)]
         token_ids = torch.empty(len(samplers), dtype=torch.long, device=hidden.device)
         if logits is not None:  # rank 0: the other ranks get None
-            states = [self.requests[batch[i][0]] for i in samplers]
-            positions = [len(s.token_ids) - s.num_prompt for s in states]
-            token_ids = sample(logits, [s.params for s in states], positions)
-            if any(s.params.logprobs is not None for s in states):
-                logprobs = [None] * len(batch)
-                for i, lp in zip(samplers, token_logprobs(logits, token_ids, [s.params.logprobs for s in states]),
-                                 strict=True):
-                    logprobs[i] = lp
+            token_ids, logprobs = self._sample_logits(logits, samplers, len(batch))
         for i, t in zip(samplers, self.tp.broadcast(token_ids).tolist(), strict=True):
             self.requests[batch[i][0]].token_ids.append(t)
             out[i] = [t]
         return out, logprobs
+
+    def _sample_logits(self, logits: torch.Tensor, samplers: list[int],
+                       num_reqs: int) -> tuple[torch.Tensor, list[TokenLogprobs | None] | None]:
+        """Rank 0: the sampling rows' tokens, and per request of the batch the log-probabilities of those that
+        asked for them (None: none did)."""
+        assert self.sampling is not None
+        rows = self.kv.buffers.rows.np[:num_reqs][samplers]  # their block table rows: the sampling state's rows
+        meta = self.sampling.metadata(rows)
+        token_ids = sample(logits, meta)
+        self.sampling.record(rows, token_ids)
+        if meta.logprobs is None:
+            return token_ids, None
+        logprobs: list[TokenLogprobs | None] = [None] * num_reqs
+        for i, lp in zip(samplers, token_logprobs(logits, token_ids, meta.logprobs), strict=True):
+            logprobs[i] = lp
+        return token_ids, logprobs
 

@@ -1,58 +1,89 @@
-"""Token sampling: greedy, temperature, top-k, top-p, and per-request seeds.
+"""Token sampling in vLLM's order, batched over the step's sampling rows (worker/sampling_state.py gathers them).
 
-A seeded request draws its noise from a generator seeded by (seed, output position), so the same
-seed gives the same tokens, also when a preempted request recomputes and samples again.
+1. logit_bias, allowed_token_ids and one-token bad words (one additive row per request), then the ids barred
+   this step (min_tokens not reached, a bad word's prefix just generated), then the repetition penalty (prompt
+   and output tokens) and the frequency and presence penalties (output tokens). Greedy rows take the argmax here.
+2. Temperature, min_p, top-k and top-p, then a draw; a seeded request draws its noise from a generator seeded by
+   (seed, output position), so the same seed gives the same tokens, also when a preempted request recomputes.
+
+Log-probabilities are those of the raw logits (before any of this), as vLLM reports them by default.
 """
 
 import torch
 
-from protocol import SamplingParams, TokenLogprobs
+from protocol import TokenLogprobs
+from worker.sampling_state import Penalties, SamplingMetadata
 
 
-def _seed_at(seed: int, position: int) -> int:
-    return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
-
-
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Set logits outside each row's top-k and top-p nucleus to -inf (top_k 0 = off, top_p 1 = off)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    sorted_logits = sorted_logits.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill((mass_before > top_p.unsqueeze(1)) & (ranks > 0), float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
-def sample(logits: torch.Tensor, params: list[SamplingParams], output_positions: list[int]) -> torch.Tensor:
-    """One token per row of `logits` [rows, vocab]; output_positions[i] = outputs row i already has."""
-    logits = logits.float()
-    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-    result = logits.argmax(dim=-1)
-    if bool(greedy.all()):
-        return result
-    dev = logits.device
-    temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
-    top_k = torch.tensor([p.top_k for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
-    scaled = logits / temp.unsqueeze(1)
-    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
-        scaled = _filter_top_k_top_p(scaled, top_k, top_p)
-    probs = scaled.softmax(dim=-1)
+def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """One token per row of `logits` [rows, vocab]; the logits themselves are left as they are."""
+    x = logits.float()
+    if meta.processes_logits:
+        x = apply_logits_processors(x.clone() if x is logits else x, meta)
+    greedy = x.argmax(dim=-1)
+    if meta.all_greedy:
+        return greedy
+    assert meta.temperature is not None
+    x = x / meta.temperature.unsqueeze(1)
+    if meta.min_p is not None:
+        x = apply_min_p(x, meta.min_p)
+    if meta.top_k is not None or meta.top_p is not None:
+        x = apply_top_k_top_p(x, meta.top_k, meta.top_p)
+    probs = x.softmax(dim=-1)
     noise = torch.empty_like(probs).exponential_()
-    for i, p in enumerate(params):
-        if p.seed is not None and not p.greedy:
-            g = torch.Generator(device=dev).manual_seed(_seed_at(p.seed, output_positions[i]))
-            noise[i].exponential_(generator=g)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(greedy, result, sampled)
+    for i, seed in meta.seeds:
+        noise[i].exponential_(generator=torch.Generator(device=probs.device).manual_seed(seed))
+    return torch.where(meta.greedy, greedy, (probs / noise).argmax(dim=-1))
+
+
+def apply_logits_processors(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Bias, bans and penalties, in place on float32 logits."""
+    if meta.additive is not None:
+        positions, rows, table = meta.additive
+        x.index_add_(0, positions, table.index_select(0, rows))
+    if meta.banned is not None:
+        x.index_put_(meta.banned, torch.tensor(float("-inf"), device=x.device))
+    if meta.penalties is not None:
+        apply_penalties(x, meta.penalties)
+    return x
+
+
+def apply_penalties(x: torch.Tensor, p: Penalties) -> None:
+    """vLLM's penalties: the repetition penalty divides a positive logit and multiplies a negative one of every
+    token in the prompt or the outputs; then frequency x count and presence x (count > 0) are subtracted."""
+    rows = x.index_select(0, p.positions)
+    seen = p.seen.index_select(0, p.rows)
+    rows = torch.where(seen, torch.where(rows > 0, rows / p.repetition, rows * p.repetition), rows)
+    counts = p.counts.index_select(0, p.rows).to(rows.dtype)
+    rows -= counts * p.frequency + (counts > 0).to(rows.dtype) * p.presence
+    x.index_copy_(0, p.positions, rows)
+
+
+def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the row's most likely token's (min_p 0 drops none)."""
+    probs = x.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return x.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Set logits outside each row's top-k and top-p nucleus to -inf (top_k 0 = off, top_p 1 = off)."""
+    sorted_logits, order = x.sort(dim=-1, descending=True)
+    vocab = x.shape[-1]
+    ranks = torch.arange(vocab, device=x.device).unsqueeze(0)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+        sorted_logits = sorted_logits.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill((mass_before > top_p.unsqueeze(1)) & (ranks > 0), float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, sorted_logits)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top: list[int | None]) -> list[TokenLogprobs | None]:
     """Per row with top[i] set: the log-probability of token_ids[i] under the raw logits, and the top[i] most
-    likely tokens (as vLLM reports them by default: before temperature, top-k and top-p)."""
+    likely tokens (as vLLM reports them by default: before penalties, temperature, top-k and top-p)."""
     rows = [i for i, k in enumerate(top) if k is not None]
     if not rows:
         return [None] * len(top)

@@ -11,10 +11,15 @@ from protocol.sampling import (
     GREEDY_TEMPERATURE,
     INT64_MAX,
     INT64_MIN,
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
     MAX_INT32,
     MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
+    MAX_TOKEN_ID_ENTRIES,
+    MIN_REPETITION_PENALTY,
 )
 
 NAN = float("nan")
@@ -22,7 +27,9 @@ INF = float("inf")
 FIELDS = list(SamplingParams.__struct_fields__)
 DEFAULTS = {
     "max_tokens": 16, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": None, "stop_token_ids": [],
-    "ignore_eos": False, "logprobs": None,
+    "ignore_eos": False, "logprobs": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0, "logit_bias": {}, "allowed_token_ids": None,
+    "bad_words_token_ids": [],
 }
 
 INVALID = [
@@ -56,10 +63,44 @@ INVALID = [
     ("stop_token_ids", [2**64 - 1]),
     ("logprobs", -1),
     ("logprobs", MAX_LOGPROBS + 1),
+    ("presence_penalty", 2.0001),
+    ("presence_penalty", -2.5),
+    ("presence_penalty", NAN),
+    ("frequency_penalty", -2.0001),
+    ("frequency_penalty", INF),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0),
+    ("repetition_penalty", MIN_REPETITION_PENALTY / 2),
+    ("repetition_penalty", MAX_REPETITION_PENALTY * 1.01),
+    ("repetition_penalty", NAN),
+    ("min_p", -0.1),
+    ("min_p", 1.5),
+    ("min_p", NAN),
+    ("min_tokens", -1),
+    ("min_tokens", 17),  # more than max_tokens (16)
+    ("min_tokens", 2**63),
+    ("logit_bias", {5: 100.5}),
+    ("logit_bias", {5: -101.0}),
+    ("logit_bias", {5: NAN}),
+    ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {MAX_INT32 + 1: 1.0}),
+    ("allowed_token_ids", []),
+    ("allowed_token_ids", [3, -1]),
+    ("allowed_token_ids", [2**40]),
+    ("bad_words_token_ids", [[]]),
+    ("bad_words_token_ids", [[1], [2, -3]]),
+    ("bad_words_token_ids", [[MAX_INT32 + 1]]),
 ]
 INVALID_IDS = [f"{f}={v!r}" for f, v in INVALID]
 # Values msgpack cannot carry, or refused by a type bound whose decode error names the limit, not the field
-INVALID_ON_CONSTRUCTION = [("seed", INT64_MIN - 1), ("stop_token_ids", [0] * (MAX_STOP_TOKEN_IDS + 1))]
+INVALID_ON_CONSTRUCTION = [
+    ("seed", INT64_MIN - 1),
+    ("stop_token_ids", [0] * (MAX_STOP_TOKEN_IDS + 1)),
+    ("logit_bias", dict.fromkeys(range(MAX_TOKEN_ID_ENTRIES + 1), 1.0)),
+    ("allowed_token_ids", [0] * (MAX_TOKEN_ID_ENTRIES + 1)),
+    ("bad_words_token_ids", [[1]] * (MAX_BAD_WORDS + 1)),
+    ("bad_words_token_ids", [[1] * (MAX_BAD_WORD_TOKENS + 1)]),
+]
 
 
 def forged_params(**override) -> list:
@@ -131,6 +172,14 @@ VALID = [
     {"stop_token_ids": [0, 1, 128009]},
     {"stop_token_ids": [MAX_INT32] * MAX_STOP_TOKEN_IDS},
     {"ignore_eos": True},
+    {"presence_penalty": -2.0, "frequency_penalty": 2.0},
+    {"repetition_penalty": MIN_REPETITION_PENALTY},
+    {"repetition_penalty": MAX_REPETITION_PENALTY},
+    {"min_p": 1.0},
+    {"min_tokens": 16},
+    {"logit_bias": {0: -100.0, MAX_INT32: 100.0, 7: 0}},
+    {"allowed_token_ids": [0, MAX_INT32]},
+    {"bad_words_token_ids": [[1], [MAX_INT32] * MAX_BAD_WORD_TOKENS]},
     {
         "max_tokens": 1, "temperature": 0.0, "top_k": 1, "top_p": 5e-324, "seed": 0, "stop_token_ids": [0],
         "ignore_eos": True,
@@ -174,6 +223,21 @@ def test_too_many_stop_ids_names_the_limit_and_never_quotes_the_list():
     assert len(str(ei.value)) < 100
     with pytest.raises(ValueError, match="got -1$"):
         SamplingParams(stop_token_ids=[1] * 1000 + [-1])
+
+
+@pytest.mark.parametrize("field,value,limit", [
+    ("logit_bias", dict.fromkeys(range(MAX_TOKEN_ID_ENTRIES + 1), 1.0), MAX_TOKEN_ID_ENTRIES),
+    ("allowed_token_ids", [7] * (MAX_TOKEN_ID_ENTRIES + 1), MAX_TOKEN_ID_ENTRIES),
+    ("bad_words_token_ids", [[7]] * (MAX_BAD_WORDS + 1), MAX_BAD_WORDS),
+    ("bad_words_token_ids", [[7] * (MAX_BAD_WORD_TOKENS + 1)], MAX_BAD_WORD_TOKENS),
+], ids=["logit_bias", "allowed_token_ids", "bad_words", "bad_word_length"])
+def test_long_id_lists_and_maps_are_refused_by_count_on_construction_and_from_their_header(field, value, limit):
+    with pytest.raises(ValueError, match=f"more than the limit of {limit}") as ei:
+        SamplingParams(**{field: value})
+    assert len(str(ei.value)) < 120
+    data = msgspec.msgpack.encode(["EngineCoreRequest", "r", [1], forged_params(**{field: value}), 0.0])
+    with pytest.raises(ProtocolError, match=f"length <= {limit}"):
+        client_codec().decode(data)
 
 
 def test_decode_refuses_a_long_stop_id_list_from_its_header():

@@ -81,10 +81,13 @@ class Driver:
                 skipped = max(0, req.num_computed - spec.sliding_window + 1) // self.block_size
                 req.blocks[g][:skipped] = [0] * min(skipped, len(req.blocks[g]))
 
-    def run(self, prompts: list[list[int]], max_tokens: int | list[int], params: SamplingParams | None = None):
+    def run(self, prompts: list[list[int]], max_tokens: int | list[int],
+            params: SamplingParams | list[SamplingParams] | None = None):
         params = params or SamplingParams(temperature=0.0, max_tokens=1 << 20)
         lens = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-        reqs = [Req(f"r{self.step}-{i}", p, n, params) for i, (p, n) in enumerate(zip(prompts, lens))]
+        each = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [Req(f"r{self.step}-{i}", p, n, q)
+                for i, (p, n, q) in enumerate(zip(prompts, lens, each, strict=True))]
         finished: list[str] = []
         while not all(r.done for r in reqs):
             finished += self.step_once([r for r in reqs if not r.done], finished)

@@ -1,11 +1,23 @@
 """Sampler: greedy, top-k/top-p limits, and seeds tied to the output position."""
 
+import numpy as np
 import pytest
 import torch
 
 from protocol import SamplingParams
 from protocol.sampling import GREEDY_TEMPERATURE, INT64_MAX, INT64_MIN, MAX_INT32, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE
-from worker.sampler import sample, token_logprobs
+from worker.sampler import sample as sample_step
+from worker.sampler import token_logprobs
+from worker.sampling_state import SamplingState
+
+
+def sample(x: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
+    """The sampler over one step whose row i has params[i] and has generated positions[i] tokens so far."""
+    state = SamplingState(len(params), x.shape[1], [], torch.device("cpu"))
+    for row, p in enumerate(params):
+        state.add(row, p, [0], [])
+    state.num_output[:] = positions
+    return sample_step(x, state.metadata(np.arange(len(params))))
 
 
 def logits(rows=4, vocab=50, seed=0):
