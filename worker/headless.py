@@ -14,7 +14,6 @@ vanished may be blocked in a collective for gloo's 30-minute timeout.
 
 import contextlib
 import logging
-import signal
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from protocol.codec import engine_to_worker_codec, worker_to_engine_codec
 from protocol.config import EngineConfig
 from protocol.messages import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, EngineHeartbeat, NodeHeartbeat
 from protocol.process.hosts import host_label
-from protocol.process.signals import STOP_SIGNALS
+from protocol.process.server_process import ServerProcess
 from protocol.process.worker_config import worker_configs
 
 POLL_MS = 100
@@ -36,22 +35,21 @@ logger = logging.getLogger("kvengine.headless")
 SHUTDOWN_WAIT = 5.0  # seconds the workers get to exit after the head's Shutdown
 
 
-class HeadlessHost:
+class HeadlessHost(ServerProcess):
+    logger = logger
+    stop_note = "stopping this host's workers"
+
     def __init__(self, config: EngineConfig) -> None:
+        super().__init__()
         self.config = config
         self.node_rank = config.parallel.node_rank
-        self.stopping = False
         self.procs: dict[int, subprocess.Popen] = {}
         self.to_head, self.from_head = worker_to_engine_codec(), engine_to_worker_codec()
+        self.ctx: zmq.Context | None = None
+        self.sock: zmq.Socket | None = None
 
-    def _on_signal(self, signum: int, frame: object) -> None:
-        logger.info("Received %s, stopping this host's workers", signal.Signals(signum).name)
-        self.stopping = True
-
-    def run(self) -> int:
+    def serve(self) -> int:
         """Serve the head until it stops (0), fails or goes silent (1), or a stop signal arrives (0)."""
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, self._on_signal)
         parallel = self.config.parallel
         head = f"tcp://{parallel.master_addr}:{parallel.master_port + 1}"
         try:
@@ -61,22 +59,23 @@ class HeadlessHost:
         except (OSError, ValueError) as e:
             logger.error("Start-up failed: %s", e)
             return 1
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
+        self.ctx = zmq.Context()
+        self.sock = sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"node{self.node_rank}".encode())
         sock.setsockopt(zmq.LINGER, 1000)  # a last WorkerError still reaches the head
         sock.connect(head)
-        try:
-            for c in configs:
-                self.procs[c.rank] = subprocess.Popen(
-                    [sys.executable, "-m", "worker.main", msgspec.json.encode(c).decode()])
-            logger.info("Host %s (node %d of %d) runs ranks %d-%d for the engine core at %s", self.host,
-                        self.node_rank, parallel.nnodes, configs[0].rank, configs[-1].rank, head)
-            return self._watch(sock)
-        finally:
-            self._kill_all()
-            sock.close()
-            ctx.term()
+        for c in configs:
+            self.procs[c.rank] = subprocess.Popen([sys.executable, "-m", "worker.main", msgspec.json.encode(c).decode()])
+        logger.info("Host %s (node %d of %d) runs ranks %d-%d for the engine core at %s", self.host,
+                    self.node_rank, parallel.nnodes, configs[0].rank, configs[-1].rank, head)
+        return self._watch(sock)
+
+    def close(self) -> None:
+        self._kill_all()
+        if self.sock is not None:
+            self.sock.close()
+        if self.ctx is not None:
+            self.ctx.term()
 
     def _watch(self, sock: zmq.Socket) -> int:
         head_seen: float | None = None  # monotonic time of the head's last heartbeat; None before the first

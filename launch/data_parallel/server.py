@@ -15,21 +15,19 @@ as clients of the router; its /metrics and --metrics-port show every engine's me
 import logging
 import os
 import shutil
-import signal
 import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import msgspec
 import zmq
 from prometheus_client import CollectorRegistry
 
+from engine_core.client_address import open_client_router, remove_socket_file
 from engine_core.client_router import ClientRouter
 from engine_core.metrics import MetricsServer
 from launch.api_server.launcher import ApiServers
-from launch.client_endpoints import open_client_endpoints
 from launch.data_parallel.engines import EngineProcess, engine_cpu_binds
 from launch.data_parallel.metrics import EngineMetricsCollector
 from launch.data_parallel.routing import Router
@@ -45,7 +43,7 @@ from protocol import (
 from protocol.codec import client_codec, outputs_codec
 from protocol.config import EngineConfig, with_settings
 from protocol.model.source import raw_config
-from protocol.process.signals import STOP_SIGNALS
+from protocol.process.server_process import ServerProcess
 
 logger = logging.getLogger("kvengine.serve")
 POLL_MS = 100
@@ -94,11 +92,13 @@ def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     return SchedulerStats(**fields)
 
 
-class DataParallelServer:
+class DataParallelServer(ServerProcess):
     def __init__(self, config: EngineConfig) -> None:
+        super().__init__()
         self.config = config
         self.n = config.parallel.data_parallel_size
-        self.stopping = False
+        self.tmpdir = tempfile.mkdtemp(prefix="kvengine-dp-")
+        self.ctx = zmq.Context()
         self.engines: list[EngineProcess] = []
         self.client: ClientRouter | None = None
         self.api_servers: ApiServers | None = None
@@ -109,29 +109,23 @@ class DataParallelServer:
         self.gathers: list[deque[Gather]] = [deque() for _ in range(self.n)]
         self.client_codec, self.outputs_codec = client_codec(), outputs_codec()
 
-    def _on_signal(self, signum: int, frame: object) -> None:
-        logger.info("Received %s, shutting down", signal.Signals(signum).name)
-        self.stopping = True
-
-    def run(self) -> int:
+    def serve(self) -> int:
         """Serve until a stop signal (0), a failed start-up or every engine core gone (1)."""
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, self._on_signal)
-        self.tmpdir = tempfile.mkdtemp(prefix="kvengine-dp-")
-        self.ctx = zmq.Context()
-        try:
-            if not self._start() or not self._wait_ready():
-                return 0 if self.stopping else 1
-            self._serve()
+        if not self._start() or not self._wait_ready():
             return 0 if self.stopping else 1
-        finally:
-            self._close()
+        self._loop()
+        return 0 if self.stopping else 1
 
     def _start(self) -> bool:
-        endpoints = open_client_endpoints(self.ctx, self.config, self.tmpdir)
-        if endpoints is None:
+        self.client = open_client_router(self.ctx, self.config, self.tmpdir)
+        if self.client is None:
             return False
-        self.client, self.api_servers = endpoints
+        server = self.config.server
+        try:
+            self.api_servers = ApiServers(self.config) if server.api_server_count else None
+        except OSError as e:
+            logger.error("Start-up failed: cannot listen on http://%s:%d: %s", server.host, server.port, e)
+            return False
         try:
             self._start_metrics()
         except OSError as e:
@@ -192,7 +186,7 @@ class DataParallelServer:
             self.metrics_server = MetricsServer(registry, server.host, server.metrics_port)
             logger.info("Metrics on http://%s:%d/metrics", server.host, server.metrics_port)
 
-    def _serve(self) -> None:
+    def _loop(self) -> None:
         assert self.client is not None
         client = self.client
         poller = zmq.Poller()
@@ -339,7 +333,7 @@ class DataParallelServer:
             gather.waiting.discard(engine.index)
             self._maybe_reply(gather)
 
-    def _close(self) -> None:
+    def close(self) -> None:
         if self.api_servers is not None:
             self.api_servers.close()
         if self.metrics_server is not None:
@@ -351,7 +345,6 @@ class DataParallelServer:
             engine.close_sockets()
         if self.client is not None:
             self.client.close()
-            if self.client.address.startswith("ipc://"):
-                Path(self.client.address.removeprefix("ipc://")).unlink(missing_ok=True)
+            remove_socket_file(self.client.address)
         self.ctx.term()
         shutil.rmtree(self.tmpdir, ignore_errors=True)

@@ -1,8 +1,5 @@
-"""The client-facing endpoints a server opens first: the ZeroMQ client socket and the HTTP API's port.
-
-Both an engine core (`kvengine serve`) and a data-parallel router open them the same way, before any
-model loads, so that a taken address or port is a one-line start-up error.
-"""
+"""The client socket of a server (an engine core or the DP router), opened first, before any model loads, so that a
+taken address is a one-line start-up error: --address, or a fresh ipc:// path in the server's private folder."""
 
 import logging
 import os
@@ -13,16 +10,13 @@ from pathlib import Path
 import zmq
 
 from engine_core.client_router import ClientRouter
-from launch.api_server.launcher import ApiServers
 from protocol.config import EngineConfig
 
 logger = logging.getLogger("kvengine.serve")
 
 
-def open_client_endpoints(ctx: zmq.Context, config: EngineConfig,
-                          tmpdir: str) -> tuple[ClientRouter, ApiServers | None] | None:
-    """The client socket on --address (default: a fresh ipc:// path in tmpdir) and, with --api-server-count,
-    the HTTP API's listening socket; None after one log line if either cannot be opened."""
+def open_client_router(ctx: zmq.Context, config: EngineConfig, tmpdir: str) -> ClientRouter | None:
+    """The client socket on --address (default: ipc:// in tmpdir); None after one log line if it cannot be opened."""
     server = config.server
     address = server.client_address() or f"ipc://{tmpdir}/engine.sock"
     taken = ipc_path_taken(address)
@@ -30,18 +24,16 @@ def open_client_endpoints(ctx: zmq.Context, config: EngineConfig,
         logger.error("Start-up failed: %s", taken)
         return None
     try:
-        router = ClientRouter(ctx, address, server.max_pending_requests, server.max_client_requests)
+        return ClientRouter(ctx, address, server.max_pending_requests, server.max_client_requests)
     except zmq.ZMQError as e:
         logger.error("Start-up failed: cannot listen on %s: %s", address, e)
         return None
-    if not server.api_server_count:
-        return router, None
-    try:
-        return router, ApiServers(config)
-    except OSError as e:
-        logger.error("Start-up failed: cannot listen on http://%s:%d: %s", server.host, server.port, e)
-        router.close()
-        return None
+
+
+def remove_socket_file(address: str) -> None:
+    """An ipc:// address's file, once its server closed it."""
+    if address.startswith("ipc://"):
+        Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
 
 
 def ipc_path_taken(address: str) -> str | None:
