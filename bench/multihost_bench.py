@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from launch.client import AsyncEngineClient
-from launch.local_server import wait_until_serving
+from launch.commands.local_server import wait_until_serving
 from protocol import SamplingParams
 from tests.e2e.netns import SUBNET, two_hosts
 

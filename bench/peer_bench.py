@@ -55,7 +55,7 @@ def run_kvengine(model: str, prompts: dict, output_len: int, flags: list[str]) -
 
     sys.path.insert(0, str(ROOT))
     from launch.client import AsyncEngineClient
-    from launch.local_server import LocalServer, wait_until_serving
+    from launch.commands.local_server import LocalServer, wait_until_serving
     from protocol import SamplingParams
 
     async def batch(client, batch_prompts, max_tokens):

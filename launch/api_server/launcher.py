@@ -8,7 +8,7 @@ import sys
 
 import msgspec
 
-from launch.local_server import die_with_parent
+from launch.commands.local_server import die_with_parent
 from protocol.config import EngineConfig
 
 logger = logging.getLogger("kvengine.serve")

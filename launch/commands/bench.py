@@ -17,10 +17,16 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from launch.client import AsyncEngineClient, EngineDeadError, install_uvloop
-from launch.config_args import add_config_args, config_from_args
+from launch.commands.config_args import add_config_args, config_from_args
+from launch.commands.local_server import (
+    LOCAL_SERVER_AREAS,
+    Interrupted,
+    LocalServer,
+    ServerStartError,
+    run_until_signal,
+)
+from launch.commands.percentiles import percentile
 from launch.http_stream import HttpError, get_json, post_sse
-from launch.local_server import LOCAL_SERVER_AREAS, Interrupted, LocalServer, ServerStartError, run_until_signal
-from launch.percentiles import percentile
 from protocol import SamplingParams, SchedulerStats
 from protocol.config import EngineConfig, ServerConfig
 
@@ -251,7 +257,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if args.plot:
-        from launch.plot import check_matplotlib
+        from launch.commands.plot import check_matplotlib
 
         check_matplotlib()
     install_uvloop()
@@ -264,7 +270,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"kvengine bench: {e}", file=sys.stderr)
         return e.exit_code
     if args.plot:
-        from launch.plot import plot_run
+        from launch.commands.plot import plot_run
 
         plot_run(samples, args.plot, title=f"kvengine bench: {args.workload}, {summary['requests']} requests")
         print(f"plot written to {args.plot}", file=sys.stderr)

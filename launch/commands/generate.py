@@ -7,8 +7,14 @@ import re
 import sys
 
 from launch.client import AsyncEngineClient, EngineDeadError, install_uvloop
-from launch.config_args import add_config_args, config_from_args
-from launch.local_server import LOCAL_SERVER_AREAS, Interrupted, LocalServer, ServerStartError, run_until_signal
+from launch.commands.config_args import add_config_args, config_from_args
+from launch.commands.local_server import (
+    LOCAL_SERVER_AREAS,
+    Interrupted,
+    LocalServer,
+    ServerStartError,
+    run_until_signal,
+)
 from protocol import SamplingParams
 from protocol.config import EngineConfig
 

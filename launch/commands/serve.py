@@ -7,7 +7,7 @@ import logging
 
 from engine_core.server import EngineServer
 from launch.api_server.launcher import ApiServers
-from launch.config_args import add_config_args, config_from_args
+from launch.commands.config_args import add_config_args, config_from_args
 from launch.data_parallel.server import DataParallelServer, check_data_parallel
 from worker.headless import HeadlessHost
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from tqdm import tqdm
 
-from launch.config_args import add_config_args, config_from_args
+from launch.commands.config_args import add_config_args, config_from_args
 from launch.simulate.ceiling import count_prefix_hits
 from launch.simulate.dp_replay import DPReplay
 from launch.simulate.executor import (

@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from engine_core.core import EngineCore
+from launch.commands.percentiles import percentile
 from launch.data_parallel.routing import Router, RouterPolicy
-from launch.percentiles import percentile
 from launch.simulate.ceiling import count_prefix_hits
 from launch.simulate.executor import SimExecutor
 from launch.simulate.replay import SimConfig, check_settings, pool_size

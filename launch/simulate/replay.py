@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from engine_core.core import EngineCore
-from launch.percentiles import percentile
+from launch.commands.percentiles import percentile
 from launch.simulate.ceiling import count_prefix_hits
 from launch.simulate.executor import CostModel, SimExecutor
 from launch.simulate.result import SimResult

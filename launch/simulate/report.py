@@ -1,6 +1,6 @@
 """How `kvengine simulate` shows its figures: a table per replay, one line per sweep point, a plot."""
 
-from launch.plot import check_matplotlib
+from launch.commands.plot import check_matplotlib
 from launch.simulate.dp_replay import DPResult
 from launch.simulate.result import SimResult
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.local_server import ServerStartError, wait_until_serving
+from launch.commands.local_server import ServerStartError, wait_until_serving
 
 
 def _live_processes() -> dict[int, list[str]]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.local_server import ServerStartError, wait_until_serving
+from launch.commands.local_server import ServerStartError, wait_until_serving
 from tests.e2e.conftest import cmdline, wait_exit
 from tests.e2e.netns import SUBNET, Host, NamespaceError, two_hosts
 from tests.e2e.serve_support import FP32, GREEDY, SMALL, generate_all, prompts, stream_after_first_outputs

@@ -103,7 +103,7 @@ def test_bench_plot_is_a_png_with_the_four_series(tmp_path):
 
 
 def test_plot_draws_the_four_panels(tmp_path):
-    from launch.plot import plot_run
+    from launch.commands.plot import plot_run
     from protocol import SchedulerStats
 
     samples = [(0.0, SchedulerStats()), (0.5, SchedulerStats(kv_cache_usage=0.9, num_running_reqs=3, num_waiting_reqs=2,

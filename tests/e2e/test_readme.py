@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from launch.client import AsyncEngineClient
-from launch.local_server import ServerStartError, wait_until_serving
+from launch.commands.local_server import ServerStartError, wait_until_serving
 from protocol import SamplingParams
 from tests.e2e.conftest import CommandProcess, wait_until
 from tests.e2e.test_observability import free_port

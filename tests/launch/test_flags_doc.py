@@ -4,13 +4,13 @@ import argparse
 from pathlib import Path
 
 from launch.commands.serve import add_serve_parser
-from launch.config_args import flags_markdown
+from launch.commands.config_args import flags_markdown
 
 DOC = Path(__file__).parents[2] / "docs" / "flags.md"
 
 
 def test_flags_doc_is_generated_from_the_config():
-    assert DOC.read_text() == flags_markdown(), "docs/flags.md is stale: python -m launch.config_args > docs/flags.md"
+    assert DOC.read_text() == flags_markdown(), "docs/flags.md is stale: python -m launch.commands.config_args > docs/flags.md"
 
 
 def test_every_serve_flag_is_in_the_doc():

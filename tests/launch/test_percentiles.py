@@ -2,7 +2,7 @@
 
 import pytest
 
-from launch.percentiles import percentile
+from launch.commands.percentiles import percentile
 
 
 def test_percentile_interpolates_between_ranks():

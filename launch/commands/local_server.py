@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from launch.client import AsyncEngineClient
-from launch.config_args import config_to_flags
+from launch.commands.config_args import config_to_flags
 from protocol.config import EngineConfig
 
 if TYPE_CHECKING:

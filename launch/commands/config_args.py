@@ -115,7 +115,7 @@ def config_to_flags(config: EngineConfig, areas: Iterable[str] = AREAS) -> list[
 def flags_markdown() -> str:
     """docs/flags.md: one table per area, generated from the config (tests/launch/test_flags_doc.py keeps it fresh)."""
     out = ["# Flags", "",
-           "Generated from `protocol/config.py` by `python -m launch.config_args > docs/flags.md`; do not edit by hand.",
+           "Generated from `protocol/config.py` by `python -m launch.commands.config_args > docs/flags.md`; do not edit by hand.",
            "`kvengine serve` takes every flag; `generate` and `bench` take the model, cache, scheduler and parallel",
            "flags for the server they start. Names follow `vllm serve` where the concept is the same.", ""]
     for area in AREAS:
