@@ -62,7 +62,8 @@ class Backlog:
             if queued is not None:
                 logprobs = None if out.logprobs is None else (queued.logprobs or []) + out.logprobs
                 out = EngineCoreOutput(out.request_id, queued.new_token_ids + out.new_token_ids, out.finish_reason,
-                                       out.num_cached_tokens, out.error, logprobs)
+                                       out.num_cached_tokens, out.error, logprobs,
+                                       out.prompt_logprobs if queued.prompt_logprobs is None else queued.prompt_logprobs)
             self.outputs[out.request_id] = out
 
 

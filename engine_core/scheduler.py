@@ -18,6 +18,7 @@ from typing import ClassVar
 from engine_core.kv_cache.hashing import get_hash_fn, get_request_block_hasher
 from engine_core.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from engine_core.kv_cache.planning import blocks_per_request
+from engine_core.prompt_logprobs import attach_prompt_logprobs
 from engine_core.request import FINISH_REASON, Request, RequestStatus
 from engine_core.request_queue import make_request_queue
 from engine_core.sampled_tokens import sampled_rows
@@ -360,6 +361,7 @@ class Scheduler:
             outputs.append(EngineCoreOutput(req_id, new_token_ids, reason, request.num_cached_tokens, None,
                                             None if token_logprobs is None else [token_logprobs]))
         self.num_generation_tokens += num_generated
+        attach_prompt_logprobs(outputs, model_runner_output)
         if num_finished:  # one pass, however many finished
             self.running[:] = [r for r in self.running if r.status == running_status]
         return outputs

@@ -51,6 +51,8 @@ class RequestOutput:
     num_cached_tokens: int
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per new token, with SamplingParams(logprobs=k)
+    # with SamplingParams(prompt_logprobs=k), on the first output: one per prompt token from the second on
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -204,7 +206,7 @@ class AsyncEngineClient:
             if queue is not None:
                 queue.put_nowait(RequestOutput(
                     out.request_id, out.new_token_ids, out.finish_reason, out.num_cached_tokens, out.error,
-                    out.logprobs,
+                    out.logprobs, out.prompt_logprobs,
                 ))
         if outputs.stats is not None:
             _answer_first(self._stats_waiters, outputs.stats)

@@ -76,6 +76,8 @@ class EngineCoreOutput(msgspec.Struct, **_struct):
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # why the request was rejected or failed
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for them
+    # with the first token, when the request asked: one per prompt token from the second on (the first has none)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class SchedulerStats(msgspec.Struct, **_struct):
@@ -192,6 +194,8 @@ class ModelRunnerOutput(msgspec.Struct, tag=True, **_struct):
     req_ids: list[str]
     sampled_token_ids: list[list[int]]  # per request; empty for a prefill chunk that samples nothing
     logprobs: list[TokenLogprobs | None] | None = None  # per request, for those that asked (rank 0 only)
+    # per request: the prompt's log-probabilities in the step that samples its first token, for those that asked
+    prompt_logprobs: list[list[TokenLogprobs] | None] | None = None
 
 
 class WorkerError(msgspec.Struct, tag=True, **_struct):

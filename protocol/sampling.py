@@ -66,6 +66,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     allowed_token_ids: TokenIdList | None = None  # only these tokens can be sampled
     # token id sequences never generated: the last id is barred wherever the others were just generated
     bad_words_token_ids: Annotated[list[BadWord], msgspec.Meta(max_length=MAX_BAD_WORDS)] = []
+    # None: none; k: each prompt token's log-probability (from the second on) and the k most likely there
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check_range("max_tokens", self.max_tokens, 1, MAX_INT32)
@@ -98,6 +100,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty (leave it out to allow every token)")
             _check_token_ids("allowed_token_ids", self.allowed_token_ids, MAX_TOKEN_ID_ENTRIES)
+        if self.prompt_logprobs is not None:
+            _check_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         _check_count("bad_words_token_ids", len(self.bad_words_token_ids), MAX_BAD_WORDS)
         for word in self.bad_words_token_ids:
             if not word:

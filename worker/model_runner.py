@@ -14,6 +14,7 @@ from worker.block_table import BlockTableMismatch
 from worker.cuda_graphs import CudaGraphs, decode_bucket
 from worker.kv_state import KVState, make_kv_state, padded_num_tokens
 from worker.model.llama import LlamaModel
+from worker.prompt_logprobs import PromptLogprobs
 from worker.sampler import sample, token_logprobs
 from worker.sampling_state import SamplingState
 
@@ -47,6 +48,7 @@ class ModelRunner:
         cfg = model.cfg  # only rank 0 samples: the other ranks get no logits
         self.sampling = (SamplingState(max_num_seqs, cfg.vocab_size, cfg.eos_token_ids, model.lm_head.weight.device)
                          if self.tp.rank == 0 else None)
+        self.prompt_logprobs = PromptLogprobs()  # every rank: the LM head's gather runs on all of them
 
     def init_kv_cache(self, cfg: KVCacheConfig, dtype: torch.dtype, device: torch.device) -> None:
         """Make the KV state for the engine core's block count (once, after the handshake)."""
@@ -82,6 +84,7 @@ class ModelRunner:
         kv.buffers.wait_for_copies()  # the host buffers and tables change from here on
         for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
             self.requests.pop(req_id, None)
+            self.prompt_logprobs.remove(req_id)
             if self.sampling is not None and req_id in kv.tables.rows:
                 self.sampling.remove(kv.tables.rows[req_id])
             kv.tables.free(req_id)
@@ -93,7 +96,7 @@ class ModelRunner:
             self._verify_tables(so, batch)
         sampled, logprobs = self._run(batch, so.num_scheduled_tokens)
         return ModelRunnerOutput(step=so.step, req_ids=[r for r, _ in batch], sampled_token_ids=sampled,
-                                 logprobs=logprobs)
+                                 logprobs=logprobs, prompt_logprobs=self.prompt_logprobs.take(batch, sampled))
 
     def _verify_tables(self, so: SchedulerOutput, batch) -> None:
         kv = self.kv
@@ -115,6 +118,8 @@ class ModelRunner:
             row = kv.tables.add(new.req_id, new.block_ids)
             if self.sampling is not None:
                 self.sampling.add(row, new.sampling_params, new.prompt_token_ids, new.output_token_ids)
+            self.prompt_logprobs.add(new.req_id, new.sampling_params, new.prompt_token_ids, new.num_computed_tokens,
+                                     len(new.output_token_ids))
             batch.append((new.req_id, new.num_computed_tokens))
         cached = so.scheduled_cached_reqs
         for req_id, new_ids, nc in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True):
@@ -157,6 +162,8 @@ class ModelRunner:
         hidden = None if bucket is None else self.graphs.replay(bucket)
         if hidden is None:
             hidden = self._forward(num_padded_tokens, metas, num_tokens if bucket is None else bucket)
+        if self.prompt_logprobs.pending:
+            self.prompt_logprobs.collect(self._logits, hidden[:num_tokens], batch, counts)
         result = self._sample(batch, hidden[:num_tokens], samplers)
         kv.buffers.record_copies()
         return result
@@ -201,11 +208,7 @@ class ModelRunner:
         if not samplers:
             return out, logprobs
         last = kv.buffers.sample_indices(samplers, len(batch))
-        rows = hidden[: len(batch)] if last is None else hidden.index_select(0, last)
-        if kv.pad_tokens:  # the LM head's matmul too
-            rows = torch.nn.functional.pad(rows, (0, 0, 0, padded_num_tokens(len(samplers)) - len(samplers)))
-        logits = self.model.logits(rows)
-        logits = None if logits is None else logits[: len(samplers)]
+        logits = self._logits(hidden[: len(batch)] if last is None else hidden.index_select(0, last))
         token_ids = torch.empty(len(samplers), dtype=torch.long, device=hidden.device)
         if logits is not None:  # rank 0: the other ranks get None
             token_ids, logprobs = self._sample_logits(logits, samplers, len(batch))
@@ -213,6 +216,14 @@ class ModelRunner:
             self.requests[batch[i][0]].token_ids.append(t)
             out[i] = [t]
         return out, logprobs
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocabulary logits of hidden rows on rank 0 (None on the others)."""
+        n = hidden.shape[0]
+        if self.kv.pad_tokens:  # the LM head's matmul too
+            hidden = torch.nn.functional.pad(hidden, (0, 0, 0, padded_num_tokens(n) - n))
+        logits = self.model.logits(hidden)
+        return None if logits is None else logits[:n]
 
     def _sample_logits(self, logits: torch.Tensor, samplers: list[int],
                        num_reqs: int) -> tuple[torch.Tensor, list[TokenLogprobs | None] | None]:

@@ -84,8 +84,9 @@ class KVCacheManager:
         self._full_only = managers[0] if len(managers) == 1 and isinstance(managers[0], FullAttentionManager) else None
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """The request's longest prefix-cache hit, never its whole prompt: the last token is always computed."""
-        if not self.enable_caching:
+        """The request's longest prefix-cache hit, never its whole prompt: the last token is always computed.
+        A request that asks for prompt log-probabilities gets none (as in vLLM): they come from computing it."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return KVCacheBlocks(self._no_blocks), 0
         self._check_block_hashes(request)
         max_cache_hit_length = request.num_tokens - 1

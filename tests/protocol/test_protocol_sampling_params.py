@@ -29,7 +29,7 @@ DEFAULTS = {
     "max_tokens": 16, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": None, "stop_token_ids": [],
     "ignore_eos": False, "logprobs": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
     "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0, "logit_bias": {}, "allowed_token_ids": None,
-    "bad_words_token_ids": [],
+    "bad_words_token_ids": [], "prompt_logprobs": None,
 }
 
 INVALID = [
@@ -90,6 +90,8 @@ INVALID = [
     ("bad_words_token_ids", [[]]),
     ("bad_words_token_ids", [[1], [2, -3]]),
     ("bad_words_token_ids", [[MAX_INT32 + 1]]),
+    ("prompt_logprobs", -1),
+    ("prompt_logprobs", MAX_LOGPROBS + 1),
 ]
 INVALID_IDS = [f"{f}={v!r}" for f, v in INVALID]
 # Values msgpack cannot carry, or refused by a type bound whose decode error names the limit, not the field
@@ -176,6 +178,8 @@ VALID = [
     {"repetition_penalty": MIN_REPETITION_PENALTY},
     {"repetition_penalty": MAX_REPETITION_PENALTY},
     {"min_p": 1.0},
+    {"prompt_logprobs": 0},
+    {"prompt_logprobs": MAX_LOGPROBS},
     {"min_tokens": 16},
     {"logit_bias": {0: -100.0, MAX_INT32: 100.0, 7: 0}},
     {"allowed_token_ids": [0, MAX_INT32]},

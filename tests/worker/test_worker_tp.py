@@ -7,6 +7,7 @@ import socket
 import pytest
 import torch
 
+from protocol import SamplingParams
 from protocol.config import engine_config
 from protocol.model.config import ModelConfig
 from protocol.model.source import tiny_config
@@ -24,7 +25,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, folder: str, port: int, chunk: int, results) -> None:
+def _rank_main(rank: int, folder: str, port: int, chunk: int, results, params: SamplingParams | None) -> None:
     torch.set_num_threads(1)
     config = engine_config(tensor_parallel_size=2, model=folder, max_model_len=256, dtype="float32",
                            kv_cache_memory_bytes=[1 << 26], check_block_tables=True)
@@ -37,18 +38,18 @@ def _rank_main(rank: int, folder: str, port: int, chunk: int, results) -> None:
             (
                 rank,
                 report.kv_cache_specs["model.layers.0.self_attn"].num_kv_heads,
-                Driver(worker, cfg, chunk).run(RAGGED, MAX_NEW),
+                Driver(worker, cfg, chunk).run(RAGGED, MAX_NEW, params),
             )
         )
     finally:
         worker.shutdown()
 
 
-def run_tp2(folder, chunk: int = 1 << 30) -> dict:
+def run_tp2(folder, chunk: int = 1 << 30, params: SamplingParams | None = None) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, str(folder), port, chunk, results)) for r in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(r, str(folder), port, chunk, results, params)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -78,6 +79,19 @@ def test_tp2_matches_transformers(name, tmp_path):
     expected = hf_greedy(folder, RAGGED, MAX_NEW)
     assert got[0] == (2, expected)  # 4 KV heads split over 2 ranks
     assert got[1] == (2, expected)  # rank 1 keeps the same token history (broadcast)
+
+
+def test_tp2_samples_with_controls_and_prompt_logprobs_as_one_rank(tmp_path):
+    """The sampling controls run on rank 0 only; prompt log-probabilities take the LM head's gather on every rank."""
+    folder = write_model(tmp_path, "LlamaForCausalLM", eos_token_id=None)
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.5, logit_bias={7: 4.0}, min_tokens=3,
+                            prompt_logprobs=2, bad_words_token_ids=[[7, 7]])
+    one = Worker(engine_config(model=str(folder), max_model_len=256, dtype="float32",
+                               kv_cache_memory_bytes=[1 << 26], check_block_tables=True))
+    cfg = kv_config(one, 256)
+    one.init_kv_cache(cfg)
+    expected = Driver(one, cfg, 16).run(RAGGED, MAX_NEW, params)
+    assert run_tp2(folder, chunk=16, params=params) == {0: (2, expected), 1: (2, expected)}
 
 
 def test_tp_size_that_does_not_divide_heads_is_refused(tmp_path):
