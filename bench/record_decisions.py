@@ -1,13 +1,13 @@
 """Records every decision the engine core makes over seeded workloads, to show that a change keeps them all.
 
-    python bench/record_decisions.py --out DIR       # record; write DIR/sync.jsonl, DIR/async.jsonl, DIR/sha256.txt
-    python bench/record_decisions.py --compare DIR   # record again; exit 1 at the first line that differs
+    python -m bench.record_decisions --out DIR       # record; write DIR/sync.jsonl, DIR/async.jsonl, DIR/sha256.txt
+    python -m bench.record_decisions --compare DIR   # record again; exit 1 at the first line that differs
 
-The workloads are bench/vllm_decisions.py's (make_workload: adds with shared prefixes and stop tokens the
-request will meet, aborts, steps, a final drain, on a pool small enough to preempt), each seed under every
-combination of scheduling policy (fcfs, priority), chunked prefill (on, off), long_prefill_token_threshold
-(off, 16) and prefix caching (on, off; KV cache events on for even seeds). Each runs through the real
-EngineCore and ReferenceExecutor (block-table digests checked) in sync and in async scheduling.
+The workloads are the vLLM conformance check's (tests/conformance/decisions.py, make_workload: adds with shared
+prefixes and stop tokens the request will meet, aborts, steps, a final drain, on a pool small enough to preempt),
+each seed under every combination of scheduling policy (fcfs, priority), chunked prefill (on, off),
+long_prefill_token_threshold (off, 16) and prefix caching (on, off; KV cache events on for even seeds). Each runs
+through the real EngineCore and ReferenceExecutor (block-table digests checked) in sync and in async scheduling.
 
 One JSON line per event, in order: the workload's ops; every KVCacheManager call made from outside the
 manager (method, arguments with a request shown as its id and progress, result, block lists as ids);
@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from vllm_decisions import BLOCK_SIZE, VOCAB, make_workload, replay
 
 from engine_core.core import EngineCore
 from engine_core.executor.reference_executor import ReferenceExecutor
@@ -35,6 +34,7 @@ from engine_core.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from engine_core.request import Request
 from protocol import EngineCoreRequest, FullAttentionSpec, SamplingParams
 from protocol.config import engine_config
+from tests.conformance.decisions import BLOCK_SIZE, VOCAB, make_workload, replay
 
 MODES = ("sync", "async")
 VARIANTS = list(itertools.product(("fcfs", "priority"), (True, False), (0, 16), (True, False)))
@@ -89,11 +89,11 @@ def ledger_calls_recorded(record: Callable[[list], None]) -> Iterator[None]:
 
 
 class RecordingSide:
-    """One workload through EngineCore + ReferenceExecutor; replay() drives it, as it drives vllm_decisions' sides."""
+    """One workload through EngineCore + ReferenceExecutor; replay() drives it, as it drives the conformance check's sides."""
 
     def __init__(self, wl: dict, async_scheduling: bool, prefix_caching: bool, record: Callable[[list], None]):
         self.record, self.events = record, []  # events: replay()'s log of the ops, recorded as they come
-        self.arrivals = 0  # arrival times as vllm_decisions gives them: the priority policy breaks ties by them
+        self.arrivals = 0  # arrival times as the conformance check gives them: the priority policy breaks ties by them
         executor = ReferenceExecutor(kv_cache_specs={"layer.0": FullAttentionSpec(BLOCK_SIZE, 1, 8, 2)},
                                      vocab_size=VOCAB, max_position_embeddings=4096)
         config = engine_config(

@@ -1,62 +1,45 @@
-"""Soak: mixed load with aborts, vanishing clients and preemption for a while, then every request accounted for.
+"""The soak's load: mixed requests with aborts, vanishing clients and preemption for a while, then every request
+accounted for (test_soak.py runs it against a server of its own).
 
-    python bench/soak.py [--duration 60] [--clients 6] [--connect ADDRESS [--server-pid PID]]
-
-Without --connect it starts its own server with a small KV cache, so that requests get preempted.
 Each request ends as one of:
   finished  a finish output ("length" or "stop")
   aborted   by its client on purpose: it left the stream early, or called abort() and got the "abort" output
   vanished  its client closed its socket mid-stream (the server must abort it on the disconnect)
   lost      it ended without a finish output, with an "error" output or an exception
-  hung      no end within --hang-bound seconds after the duration
-Greedy requests of the same prompt must get the same tokens (checked in float32, our own server's default).
-Prints the counts, the pool at the end and the RSS drift of the engine core and each worker; exits 1 if
-anything was lost or hung, a float32 token mismatch, or the pool is not back to idle.
+  hung      no end within hang_bound seconds after the load (a liveness bound, not a timing)
+Greedy requests of the same prompt must get the same tokens (float32).
 """
 
-import argparse
 import asyncio
-import contextlib
-import os
 import random
-import sys
-import tempfile
 import time
 import uuid
 from collections import Counter
 from collections.abc import Coroutine
+from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from launch.client import AsyncEngineClient
-from launch.config_args import parse_bytes
-from launch.local_server import Interrupted, LocalServer, run_until_signal
+from launch.commands.local_server import LocalServer
 from protocol import SamplingParams, SchedulerStats
 from protocol.config import engine_config
 
 OUTCOMES = ("finished", "aborted", "vanished", "lost", "hung")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of load (default 60)")
-    p.add_argument("--clients", type=int, default=6, help="concurrent client loops")
-    p.add_argument("--connect", metavar="ADDRESS", default=None, help="a running `kvengine serve` instead of our own")
-    p.add_argument("--server-pid", type=int, default=None, help="with --connect: its pid, for the RSS figures")
-    p.add_argument("--kv-cache-memory-bytes", default="2MiB", help="our own server's KV cache (small: preemption)")
-    p.add_argument("--max-model-len", type=int, default=256)
-    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--dtype", default="float32", help="our own server's dtype; in float32 (the default) greedy tokens "
-                   "of a prompt must not depend on batching or preemption, in bfloat16 near ties may flip")
-    p.add_argument("--hang-bound", type=float, default=120.0, help="seconds a request may still take after the load")
-    p.add_argument("--server-log", default=None, help="our own server's log (default: a temporary file)")
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+@dataclass(frozen=True)
+class SoakSettings:
+    duration: float = 60.0  # seconds of load
+    clients: int = 6  # concurrent client loops
+    kv_cache_memory_bytes: int = 2 << 20  # small: requests get preempted
+    max_model_len: int = 256
+    dtype: str = "float32"  # greedy tokens of a prompt must not depend on batching or preemption
+    hang_bound: float = 120.0  # seconds a request may still take after the load
+    seed: int = 0
 
 
 class Soak:
-    def __init__(self, args: argparse.Namespace, address: str) -> None:
+    def __init__(self, args: SoakSettings, address: str) -> None:
         self.args, self.address = args, address
         rng = random.Random(args.seed)
         # A fixed pool of prompts, each with its own max_tokens: greedy tokens of a prompt must always agree.
@@ -162,7 +145,7 @@ class Soak:
         return Counter("hung" if task.cancelled() else task.result() for task in self.requests)
 
 
-# ---- processes ----------------------------------------------------------------------------------
+# ---- the server's processes ---------------------------------------------------------------------------------------
 
 
 def group_processes(pgid: int) -> dict[int, str]:
@@ -194,9 +177,6 @@ def rss_mib(pid: int) -> float | None:
     return int(kib) / 1024 if kib is not None else None
 
 
-# ---- the run ------------------------------------------------------------------------------------
-
-
 async def wait_idle(client: AsyncEngineClient, total_free: int, bound: float = 60.0) -> SchedulerStats:
     """The stats once the pool is back to idle, or the last ones after `bound` seconds (aborts take a step)."""
     end = time.monotonic() + bound
@@ -208,70 +188,55 @@ async def wait_idle(client: AsyncEngineClient, total_free: int, bound: float = 6
         await asyncio.sleep(0.2)
 
 
-async def soak(args: argparse.Namespace) -> int:
-    local = None
-    if args.connect is None:
-        config = engine_config(max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
-                               dtype=args.dtype,
-                               kv_cache_memory_bytes=[parse_bytes(args.kv_cache_memory_bytes)])
-        args.server_log = args.server_log or tempfile.mktemp(prefix="kvengine-soak-", suffix=".log")
-        local = LocalServer(config, args.server_log)
-    async with local or contextlib.nullcontext() as server:
-        address = server.address if server else args.connect
-        pid = server.proc.pid if server and server.proc else args.server_pid
-        async with AsyncEngineClient(address) as observer:
-            await observer.wait_ready(60)
-            run = Soak(args, address)
-            warm = [run.spawn(run.one_request(observer, random.Random(i), "finish", [False])) for i in range(4)]
-            await asyncio.gather(*warm)
-            run.requests.clear()
-            before = await observer.get_stats()
-            total = before.num_free_blocks + before.num_blocks_held
-            processes = group_processes(pid) if pid else {}
-            rss_start = {p: rss_mib(p) for p in processes}
-            elapsed = await run.run()
-            after = await wait_idle(observer, total)
-            rss_end = {p: rss_mib(p) for p in processes}
-            alive = server.proc.poll() is None if server and server.proc else True
-
-    outcomes = run.outcomes()
-    idle = (after.num_running_reqs, after.num_waiting_reqs, after.num_blocks_held, after.num_free_blocks) == (
-        0, 0, 0, total)
-    print(f"soak: {elapsed:.1f} s of which {args.duration:.0f} s load, {args.clients} clients, server at {address}")
-    print(f"{'requests sent':24}{len(run.requests):>8}")
-    for outcome in OUTCOMES:
-        print(f"  {outcome:22}{outcomes[outcome]:>8}")
-    strict = args.connect is None and args.dtype == "float32"
-    print(f"{'greedy token mismatches':24}{run.mismatches:>8}  (same prompt, other tokens; "
-          f"{'a failure in float32' if strict else 'not counted: may be near ties outside float32'})")
-    print(f"{'preemptions':24}{after.num_preemptions - before.num_preemptions:>8}")
-    print(f"{'pool at the end':24}free {after.num_free_blocks} / {total} blocks, held {after.num_blocks_held}, "
-          f"cached-free {after.num_cached_free_blocks}, running {after.num_running_reqs}, "
-          f"waiting {after.num_waiting_reqs}, usage {after.kv_cache_usage:.1%}"
-          f"{'' if idle else '  NOT IDLE'}")
-    print(f"{'server process alive':24}{'yes' if alive else 'NO'}")
-    if processes:
-        print(f"{'RSS (MiB)':24}{'start':>8}{'end':>8}{'drift':>8}")
-        for p, role in sorted(processes.items(), key=lambda item: item[1]):
-            start, end = rss_start[p], rss_end[p]
-            figures = f"{start:8.1f}{end:8.1f}{end - start:+8.1f}" if start and end else "  (gone)"
-            print(f"  {role + ' ' + str(p):22}{figures}")
-    for error in run.errors[:10]:
-        print("  lost:", error)
-    if args.server_log:
-        print(f"server log: {args.server_log}")
-    ok = outcomes["lost"] == outcomes["hung"] == 0 and idle and alive and not (strict and run.mismatches)
-    return 0 if ok else 1
+# ---- the run ------------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        return run_until_signal(soak(args))
-    except Interrupted as e:
-        print(f"soak: {e}", file=sys.stderr)
-        return e.exit_code
+@dataclass
+class SoakResult:
+    elapsed: float
+    requests: int
+    outcomes: Counter
+    mismatches: int  # greedy requests of one prompt that got other tokens
+    errors: list[str]
+    before: SchedulerStats  # after the warm-up
+    after: SchedulerStats  # once back to idle (or the last stats, if it never got there)
+    alive: bool
+    rss_mib: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)  # process: start, end
+
+    def idle(self) -> bool:
+        a = self.after
+        total = self.before.num_free_blocks + self.before.num_blocks_held
+        return (a.num_running_reqs, a.num_waiting_reqs, a.num_blocks_held, a.num_free_blocks) == (0, 0, 0, total)
+
+    def figures(self) -> list[str]:
+        a = self.after
+        counts = ", ".join(f"{o} {self.outcomes[o]}" for o in OUTCOMES)
+        pool = (f"free {a.num_free_blocks}, held {a.num_blocks_held}, cached-free {a.num_cached_free_blocks}, "
+                f"running {a.num_running_reqs}, waiting {a.num_waiting_reqs}")
+        preemptions = a.num_preemptions - self.before.num_preemptions
+        ending = f"{self.mismatches} greedy mismatches, {preemptions} preemptions; at the end: {pool}"
+        lines = [f"soak: {self.elapsed:.1f} s, {self.requests} requests: {counts}",
+                 f"soak: {ending}; server alive: {self.alive}"]
+        for role, (start, end) in sorted(self.rss_mib.items()):
+            drift = f"{start:.1f} -> {end:.1f} MiB ({end - start:+.1f})" if start and end else "(gone)"
+            lines.append(f"soak: RSS of {role}: {drift}")
+        return lines
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+async def run_soak(settings: SoakSettings, log_file: Path) -> SoakResult:
+    """Start a server of its own (its log to log_file), warm it up, soak it, and wait until it is idle again."""
+    config = engine_config(max_model_len=settings.max_model_len, dtype=settings.dtype,
+                           kv_cache_memory_bytes=[settings.kv_cache_memory_bytes])
+    async with LocalServer(config, str(log_file)) as server, AsyncEngineClient(server.address) as observer:
+        run = Soak(settings, server.address)
+        warm = [run.spawn(run.one_request(observer, random.Random(i), "finish", [False])) for i in range(4)]
+        await asyncio.gather(*warm)
+        run.requests.clear()
+        before = await observer.get_stats()
+        processes = group_processes(server.proc.pid)
+        rss_start = {pid: rss_mib(pid) for pid in processes}
+        elapsed = await run.run()
+        after = await wait_idle(observer, before.num_free_blocks + before.num_blocks_held)
+        rss = {f"{role} {pid}": (rss_start[pid], rss_mib(pid)) for pid, role in processes.items()}
+        alive = server.proc.poll() is None
+    return SoakResult(elapsed, len(run.requests), run.outcomes(), run.mismatches, run.errors, before, after, alive, rss)
