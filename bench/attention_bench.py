@@ -1,7 +1,7 @@
 """Paged attention per layer call: the in-place CPU kernel (worker/ops) vs the torch path (worker/attention.py).
 
-    python bench/attention_bench.py                  # built-in model shapes, 2 threads
-    python bench/attention_bench.py --threads 1 --repeats 50
+    python -m bench.attention_bench                  # built-in model shapes, 2 threads
+    python -m bench.attention_bench --threads 1 --repeats 50
 
 Each case is one step of one layer: metadata is built once per step (its time is printed apart) and each
 layer call writes the step's K/V and attends. Figures are medians of repeats; they depend on the machine and
@@ -11,14 +11,10 @@ on what else runs there, and are printed, never asserted.
 import argparse
 import random
 import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench.timing import repeat, stopwatch
 from worker.attention import DECODE_CHUNK_BYTES, GatherBuffer, StepRequests, build_metadata, paged_attention
 from worker.ops.cpu_attention import build_cpu_metadata, cpu_paged_attention, load_extension
 
@@ -93,14 +89,7 @@ class Step:
 
 
 def median_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return statistics.median(repeat(fn, repeats)) * 1e3
 
 
 def bench_case(name: str, plan, dtype, scattered: bool, repeats: int) -> list:
@@ -130,9 +119,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    start = time.perf_counter()
-    load_extension()
-    print(f"extension ready in {time.perf_counter() - start:.1f} s (compiles on first use on a machine)")
+    with stopwatch() as lap:
+        load_extension()
+    print(f"extension ready in {lap.wall:.1f} s (compiles on first use on a machine)")
     rng = random.Random(0)
     decode, mixed = decode_plan(rng), mixed_plan(rng)
     mean_ctx = statistics.mean(c for c, _ in decode)

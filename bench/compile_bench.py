@@ -1,6 +1,6 @@
 """What torch.compile of the decoder layers gains over the fused CPU kernels the model uses by default.
 
-    python bench/compile_bench.py [--threads 2] [--dtype bfloat16]
+    python -m bench.compile_bench [--threads 2] [--dtype bfloat16]
 
 Three in-process engines (EngineCore + InProcExecutor, built-in model, attention by the CPU kernel),
 each timed on 64 x 512-token prompts: prefill (one output token), then a 128-token decode:
@@ -12,14 +12,11 @@ Each engine is warmed up on a batch of the same shape first; the compile time is
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench.timing import stopwatch
 from engine_core.core import EngineCore
 from protocol import EngineCoreRequest, SamplingParams
 from protocol.config import engine_config
@@ -37,10 +34,10 @@ def run_batch(core: EngineCore, prompts: list[list[int]], max_tokens: int, tag: 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         core.add_request(EngineCoreRequest(f"{tag}-{i}", prompt, params, time.time()))
-    start = time.perf_counter()
-    while core.has_work():
-        core.step()
-    return time.perf_counter() - start
+    with stopwatch() as lap:
+        while core.has_work():
+            core.step()
+    return lap.wall
 
 
 def measure(kind: str, args, rng: random.Random) -> None:

@@ -7,14 +7,12 @@ prefix-cache hit rate (total and per engine), and the simulated TTFT p50 / p99. 
 the whole capacity is the reference (one shared cache, a quarter of the compute at DP 4). The replay is
 deterministic, so each figure is one run; the wall time is the only noisy column.
 
-    python bench/dp_trace.py --limit 4000 --kv-cache-tokens 4M 16M
+    python -m bench.dp_trace --limit 4000 --kv-cache-tokens 4M 16M
 """
 
 import argparse
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from launch.commands.simulate import _tokens
 from launch.simulate.dp_replay import DPReplay, DPResult

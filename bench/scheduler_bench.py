@@ -10,20 +10,18 @@ For each: steps/s and microseconds per step, split into schedule(), the executor
 update_from_output(); and separately the time to msgspec-encode the SchedulerOutput with
 protocol.codec.engine_to_worker_codec() (what MultiprocExecutor sends each step) and its size.
 
-    python bench/scheduler_bench.py            # full run (~1 min)
-    python bench/scheduler_bench.py --quick    # a few seconds
+    python -m bench.scheduler_bench            # full run (~1 min)
+    python -m bench.scheduler_bench --quick    # a few seconds
 """
 
 import argparse
 import gc
-import os
 import random
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+from bench.timing import CallTimes
 from engine_core.core import EngineCore
 from engine_core.executor.reference_executor import ReferenceExecutor
 from protocol import EngineCoreRequest, FullAttentionSpec, SamplingParams
@@ -31,19 +29,6 @@ from protocol.codec import engine_to_worker_codec
 from protocol.config import engine_config
 
 VOCAB = 32_000
-
-
-class Timed:
-    """Wraps a bound method and adds the time of each call to a list."""
-
-    def __init__(self, fn, times: list[float]) -> None:
-        self.fn, self.times = fn, times
-
-    def __call__(self, *args):
-        t0 = time.perf_counter()
-        out = self.fn(*args)
-        self.times.append(time.perf_counter() - t0)
-        return out
 
 
 class Bench:
@@ -68,19 +53,16 @@ class Bench:
         self.codec = engine_to_worker_codec()
         self.n = 0
         self.last_so = None
-        self.t_schedule: list[float] = []
-        self.t_update: list[float] = []
-        self.t_execute: list[float] = []
         sched = self.core.scheduler
-        schedule = Timed(sched.schedule, self.t_schedule)
+        self.schedule = CallTimes(sched.schedule)
+        self.update = sched.update_from_output = CallTimes(sched.update_from_output)
+        self.execute = executor.execute_model = CallTimes(executor.execute_model)
 
         def schedule_and_keep():
-            self.last_so = schedule()
+            self.last_so = self.schedule()
             return self.last_so
 
         sched.schedule = schedule_and_keep
-        sched.update_from_output = Timed(sched.update_from_output, self.t_update)
-        executor.execute_model = Timed(executor.execute_model, self.t_execute)
 
     def add(self, prompt_len: int, max_tokens: int) -> None:
         prompt = [self.rng.randrange(1, VOCAB) for _ in range(prompt_len)]
@@ -89,35 +71,31 @@ class Bench:
         self.n += 1
 
     def reset_timers(self) -> None:
-        for t in (self.t_schedule, self.t_update, self.t_execute):
+        for t in (self.schedule, self.update, self.execute):
             t.clear()
 
     def measure(self, num_steps: int, before_step=None) -> dict:
         """Run num_steps timed steps; the SchedulerOutput of each is encoded afterwards, untimed in the step."""
         self.reset_timers()
-        step_times, enc_times, sizes, tokens, prefill_reqs = [], [], [], [], []
+        step, encode = CallTimes(self.core.step), CallTimes(self.codec.encode)
+        sizes, tokens, prefill_reqs = [], [], []
         gc.collect()
         for _ in range(num_steps):
             if before_step is not None:
                 before_step()
-            t0 = time.perf_counter()
-            self.core.step()
-            step_times.append(time.perf_counter() - t0)
+            step()
             so = self.last_so
-            t0 = time.perf_counter()
-            payload = self.codec.encode(so)
-            enc_times.append(time.perf_counter() - t0)
-            sizes.append(len(payload))
+            sizes.append(len(encode(so)))
             tokens.append(so.total_num_scheduled_tokens)
             prefill_reqs.append(sum(1 for n in so.num_scheduled_tokens.values() if n > 1))
         stats = self.core.get_stats()
         return {
             "steps": num_steps,
-            "step": step_times,
-            "schedule": list(self.t_schedule),
-            "execute": list(self.t_execute),
-            "update": list(self.t_update),
-            "encode": enc_times,
+            "step": step.wall,
+            "schedule": list(self.schedule.wall),
+            "execute": list(self.execute.wall),
+            "update": list(self.update.wall),
+            "encode": encode.wall,
             "bytes": sizes,
             "tokens": tokens,
             "prefill_reqs": prefill_reqs,
@@ -195,7 +173,7 @@ def report(name: str, r: dict) -> None:
     ]
     for label, xs in rows:
         print(f"   {label:<38}{us(xs)} {p(xs, 0.5)} {p(xs, 0.99)}")
-    rest = [s - a - b - c for s, a, b, c in zip(r["step"], r["schedule"], r["execute"], r["update"])]
+    rest = [s - a - b - c for s, a, b, c in zip(r["step"], r["schedule"], r["execute"], r["update"], strict=True)]
     print(f"   {'  (rest of step(): outputs, stats)':<38}{us(rest)}")
     print(f"   SchedulerOutput size: {statistics.mean(r['bytes']):,.0f} bytes mean, {max(r['bytes']):,} max")
 

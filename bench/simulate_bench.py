@@ -1,6 +1,6 @@
 """Where a trace replay spends its time: `kvengine simulate` under cProfile, split by component.
 
-    python bench/simulate_bench.py --trace ../shared/traces/mooncake_conversation_trace.jsonl --limit 1000
+    python -m bench.simulate_bench --trace ../shared/traces/mooncake_conversation_trace.jsonl --limit 1000
 
 Prints the wall time, then cumulative seconds (and share of the profiled run) of: token synthesis,
 Request construction (prompt block hashing), decode-time block hashing, prefix lookup, slot
@@ -12,13 +12,10 @@ compare shares, not absolute times, with an unprofiled run (`kvengine simulate` 
 
 import argparse
 import cProfile
-import os
 import pstats
 import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+from bench.timing import stopwatch
 from launch.simulate.replay import Replay, SimConfig
 from launch.simulate.trace import read_trace
 from protocol.config import engine_config
@@ -47,17 +44,17 @@ def main() -> int:
     config = engine_config(block_size=args.block_size, prefix_caching_hash_algo=args.hash)
     sim = SimConfig(kv_cache_tokens=int(args.kv_cache_tokens))
     if args.no_profile:
-        t = time.perf_counter()
-        r = Replay(requests, config, sim).run(progress=True)
-        print(f"{len(requests)} requests: {time.perf_counter() - t:.1f} s wall, hit rate {r.hit_rate:.2%}, "
+        with stopwatch() as lap:
+            r = Replay(requests, config, sim).run(progress=True)
+        print(f"{len(requests)} requests: {lap.wall:.1f} s wall, hit rate {r.hit_rate:.2%}, "
               f"{r.num_decode_tokens_computed:,} decode tokens, {r.num_steps:,} steps")
         return 0
     prof = cProfile.Profile()  # wall time: run it on a quiet machine, or read the shares
-    t = time.perf_counter()
-    prof.enable()
-    r = Replay(requests, config, sim).run()
-    prof.disable()
-    wall = time.perf_counter() - t
+    with stopwatch() as lap:
+        prof.enable()
+        r = Replay(requests, config, sim).run()
+        prof.disable()
+    wall = lap.wall
     stats = pstats.Stats(prof)
     total = sum(cumtime(stats, "simulate/replay.py", func)[0] for func in ("__init__", "run"))  # build + run
     parts = [

@@ -24,7 +24,7 @@ from launch.client import AsyncEngineClient
 from launch.commands.local_server import ServerStartError, wait_until_serving
 from protocol import SamplingParams
 from tests.e2e.conftest import CommandProcess, wait_until
-from tests.e2e.test_observability import free_port
+from tests.e2e.serve_support import free_port
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
@@ -257,7 +257,7 @@ RULES: dict[str, Callable[[str, Context], None] | str] = {
     r"```text\n client\(s\)": "a diagram",
     r"kvengine serve --address ": run_readme_server,
     r"kvengine serve -dp 2 ": run_readme_server,
-    r"python bench/dp_trace.py": "replays the whole trace six times (about 20 minutes); tests/launch/test_simulate_dp.py "
+    r"python -m bench.dp_trace": "replays the whole trace six times (about 20 minutes); tests/launch/test_simulate_dp.py "
                                  "runs the DP replay, and the kvengine simulate -dp line here runs",
     r"kvengine serve --model \S+ --device cuda": "needs CUDA GPUs and a local ./Qwen2-0.5B folder",
     r'kvengine serve --model "\$GGUF"': run_gguf_serve,
