@@ -6,6 +6,8 @@ import sys
 import msgspec
 import zmq
 
+from launch.commands.local_server import Interrupted
+from launch.commands.stop_signals import raise_on_stop_signals
 from launch.kv_event_subscriber import KVEventSubscriber, SeqBatch
 from protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from protocol.kv_events import ExternalBlockHash
@@ -52,11 +54,13 @@ def batch_json(seq: int, batch: KVEventBatch) -> str:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
+    """SIGINT or SIGTERM ends it with exit code 0: following a server until stopped is its normal use."""
+    raise_on_stop_signals()
     ctx = zmq.Context()
     subscriber = KVEventSubscriber(ctx, args.endpoint, args.replay_endpoint, args.from_seq)
     try:
         return follow(subscriber, args)
-    except KeyboardInterrupt:
+    except Interrupted:
         return 0
     except (TimeoutError, RuntimeError) as e:  # no replay answer, or a malformed message
         print(f"kvengine events: {e}", file=sys.stderr)

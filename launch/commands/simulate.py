@@ -15,6 +15,8 @@ from dataclasses import replace
 from tqdm import tqdm
 
 from launch.commands.config_args import add_config_args, config_from_args
+from launch.commands.local_server import Interrupted
+from launch.commands.stop_signals import raise_on_stop_signals
 from launch.simulate.ceiling import count_prefix_hits
 from launch.simulate.dp_replay import DPReplay
 from launch.simulate.executor import (
@@ -147,6 +149,15 @@ def _setting(config: EngineConfig, name: str) -> object:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    """SIGINT or SIGTERM stops a replay with one line and exit code 130 / 143."""
+    raise_on_stop_signals()
+    try:
+        return _simulate(args)
+    except Interrupted as e:
+        return _fail(str(e), e.exit_code)
+
+
+def _simulate(args: argparse.Namespace) -> int:
     try:
         config, sim = configs_from_args(args)
         requests = read_trace(args.trace, args.limit)

@@ -140,6 +140,42 @@ def test_events_without_a_count_says_so_once_and_keeps_waiting(start_command, tm
     assert len(events.stderr().splitlines()) == 1 and events.stdout() == ""
 
 
+def started_with_sigint_ignored(start_command, *args: str, python: str = "-m launch.cli"):
+    """The command as a script's `kvengine ... &` starts it: SIGINT ignored from the start (as nohup-style launchers
+    leave it). Python then installs no KeyboardInterrupt, so only a handler of the command's own can stop it."""
+    return start_command(shell=f"trap '' INT; exec {sys.executable} {python} {' '.join(args)}")
+
+
+def test_the_launcher_of_these_tests_leaves_sigint_ignored(start_command):
+    probe = started_with_sigint_ignored(start_command,
+                                        python="-c 'import signal as s; print(s.getsignal(2) is s.SIG_IGN)'")
+    assert probe.wait() == 0 and probe.stdout() == "True\n"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_events_started_with_sigint_ignored_stops_on_sigint_and_sigterm(start_command, tmp_path, signum):
+    """Before, SIGINT did nothing to it and test_events_without_a_count_says_so_once_and_keeps_waiting hung."""
+    events = started_with_sigint_ignored(start_command, "events", f"ipc://{tmp_path}/events", "--timeout", "0.5")
+    assert wait_until(lambda: "no events at" in events.stderr())
+    assert events.proc.poll() is None
+    events.proc.send_signal(signum)
+    assert events.wait() == 0
+    assert len(events.stderr().splitlines()) == 1 and events.stdout() == ""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_simulate_started_with_sigint_ignored_stops_with_one_line(start_command, tmp_path, signum):
+    trace = tmp_path / "long.jsonl"  # far more requests than the test lets it replay
+    trace.write_text("".join(f'{{"timestamp": {i}, "input_length": 600, "output_length": 8, "hash_ids": [{i}, {i}]}}\n'
+                             for i in range(200_000)))
+    simulate = started_with_sigint_ignored(start_command, "simulate", "--trace", str(trace))
+    assert wait_until(lambda: "%|" in simulate.stderr(), 300)  # the replay's progress bar: it runs
+    simulate.proc.send_signal(signum)
+    assert simulate.wait() == 128 + signum
+    assert simulate.stderr().splitlines()[-1] == f"kvengine simulate: stopped by {signal.Signals(signum).name}"
+    assert "Traceback" not in simulate.stderr() and simulate.stdout() == ""
+
+
 def test_events_of_an_idle_server_wait_past_the_timeout_for_the_first_batch(start_server, start_command, tmp_path):
     """The replay socket answered: the server is there, so no batch yet is no error."""
     endpoints = [f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"]
