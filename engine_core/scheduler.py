@@ -22,7 +22,7 @@ from engine_core.prompt_logprobs import attach_prompt_logprobs
 from engine_core.request import FINISH_REASON, Request, RequestStatus
 from engine_core.request_queue import make_request_queue
 from engine_core.sampled_tokens import sampled_rows
-from engine_core.sampling_checks import out_of_vocabulary
+from engine_core.sampling_checks import sampling_error
 from engine_core.scheduler_stats import make_scheduler_stats
 from protocol import (
     CachedRequestData,
@@ -123,7 +123,7 @@ class Scheduler:
             return f"the prompt has {num_prompt} tokens, more than max_model_len={self.max_model_len}"
         if self.vocab_size is not None and not (min(req.prompt_token_ids) >= 0 and max(req.prompt_token_ids) < self.vocab_size):
             return f"the prompt has token ids outside the vocabulary [0, {self.vocab_size})"
-        if self.vocab_size is not None and (error := out_of_vocabulary(req.sampling_params, self.vocab_size)):
+        if (error := sampling_error(req.sampling_params, self.vocab_size)) is not None:
             return error
         full_len = min(num_prompt + req.sampling_params.max_tokens, self.max_model_len)
         needed = blocks_per_request(self.kv_cache_config.kv_cache_groups, full_len, self.config.max_num_batched_tokens)

@@ -26,6 +26,7 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one bias: [-100, 100]
 MAX_TOKEN_ID_ENTRIES = 1 << 18  # logit_bias entries and allowed_token_ids: more than any vocabulary here
 MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 1024, 128
+MAX_N = 128  # sequences per prompt (n, best_of), as OpenAI's n
 
 TokenIdList = Annotated[list[int], msgspec.Meta(max_length=MAX_TOKEN_ID_ENTRIES)]
 BadWord = Annotated[list[int], msgspec.Meta(max_length=MAX_BAD_WORD_TOKENS)]
@@ -68,6 +69,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     bad_words_token_ids: Annotated[list[BadWord], msgspec.Meta(max_length=MAX_BAD_WORDS)] = []
     # None: none; k: each prompt token's log-probability (from the second on) and the k most likely there
     prompt_logprobs: int | None = None
+    # n sequences per prompt; best_of (>= n) are sampled and the n with the highest cumulative log-probability
+    # returned. The client fans them out (launch/parallel_sampling.py); an engine core request has n = 1.
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         _check_range("max_tokens", self.max_tokens, 1, MAX_INT32)
@@ -100,6 +105,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty (leave it out to allow every token)")
             _check_token_ids("allowed_token_ids", self.allowed_token_ids, MAX_TOKEN_ID_ENTRIES)
+        _check_range("n", self.n, 1, MAX_N)
+        if self.best_of is not None:
+            _check_range("best_of", self.best_of, self.n, MAX_N)
         if self.prompt_logprobs is not None:
             _check_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         _check_count("bad_words_token_ids", len(self.bad_words_token_ids), MAX_BAD_WORDS)
@@ -111,6 +119,11 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences sampled for the prompt: best_of, or n."""
+        return self.best_of or self.n
 
     @property
     def has_penalties(self) -> bool:

@@ -31,3 +31,12 @@ def test_the_error_names_at_most_five_ids():
     rejected = core.add_request(make_request("r", prompt_of(1, 8), allowed_token_ids=list(range(VOCAB, VOCAB + 1000))))
     assert rejected is not None and rejected.error is not None
     assert rejected.error.endswith(f"{VOCAB + 4}, ...") and len(rejected.error) < 200
+
+
+@pytest.mark.parametrize("sampling", [{"n": 2}, {"best_of": 3}, {"n": 2, "best_of": 2}])
+def test_more_than_one_sequence_is_the_clients_to_fan_out(sampling):
+    core, _ = make_core()
+    rejected = core.add_request(make_request("r", prompt_of(1, 8), **sampling))
+    assert rejected is not None and rejected.error is not None
+    assert rejected.error.startswith(f"n={sampling.get('n', 1)}, best_of={sampling.get('best_of')}: the engine core")
+    assert_pool_empty(core)

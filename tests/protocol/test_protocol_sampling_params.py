@@ -15,6 +15,7 @@ from protocol.sampling import (
     MAX_BAD_WORDS,
     MAX_INT32,
     MAX_LOGPROBS,
+    MAX_N,
     MAX_REPETITION_PENALTY,
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
@@ -29,7 +30,7 @@ DEFAULTS = {
     "max_tokens": 16, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": None, "stop_token_ids": [],
     "ignore_eos": False, "logprobs": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
     "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0, "logit_bias": {}, "allowed_token_ids": None,
-    "bad_words_token_ids": [], "prompt_logprobs": None,
+    "bad_words_token_ids": [], "prompt_logprobs": None, "n": 1, "best_of": None,
 }
 
 INVALID = [
@@ -92,6 +93,10 @@ INVALID = [
     ("bad_words_token_ids", [[MAX_INT32 + 1]]),
     ("prompt_logprobs", -1),
     ("prompt_logprobs", MAX_LOGPROBS + 1),
+    ("n", 0),
+    ("n", MAX_N + 1),
+    ("best_of", 0),
+    ("best_of", MAX_N + 1),
 ]
 INVALID_IDS = [f"{f}={v!r}" for f, v in INVALID]
 # Values msgpack cannot carry, or refused by a type bound whose decode error names the limit, not the field
@@ -179,6 +184,9 @@ VALID = [
     {"repetition_penalty": MAX_REPETITION_PENALTY},
     {"min_p": 1.0},
     {"prompt_logprobs": 0},
+    {"n": MAX_N},
+    {"n": 3, "best_of": 3},
+    {"best_of": MAX_N},
     {"prompt_logprobs": MAX_LOGPROBS},
     {"min_tokens": 16},
     {"logit_bias": {0: -100.0, MAX_INT32: 100.0, 7: 0}},
@@ -202,6 +210,13 @@ def test_valid_edge_values_accepted(kw):
     # and the same values forged by a peer
     data = msgspec.msgpack.encode(["EngineCoreRequest", "r", [1], forged_params(**kw), 0.0])
     assert codec.decode(data).sampling_params == sp
+
+
+def test_best_of_is_at_least_n():
+    with pytest.raises(ValueError, match=r"best_of must be in \[4, 128\], got 2"):
+        SamplingParams(n=4, best_of=2)
+    assert SamplingParams(n=2, best_of=5).num_sequences == 5
+    assert SamplingParams(n=3).num_sequences == 3
 
 
 def test_greedy():
