@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -20,6 +21,9 @@ from protocol.process.hosts import pin_collective_interface
 from protocol.process.open_files import raise_open_file_limit
 from protocol.process.signals import STOP_SIGNALS
 from protocol.process.worker_config import WorkerConfig
+
+if TYPE_CHECKING:
+    from worker.worker import Worker
 
 logger = logging.getLogger("kvengine.worker")
 PARENT_CHECK_MS = 500
@@ -39,39 +43,12 @@ def main() -> int:
     sock.setsockopt(zmq.IDENTITY, f"rank{config.rank}".encode())
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(config.engine_address)
-    to_engine, from_engine = worker_to_engine_codec(), engine_to_worker_codec()
+    to_engine = worker_to_engine_codec()
     worker = None
     try:
-        if config.cpu_cores is not None:
-            os.sched_setaffinity(0, config.cpu_cores)  # before torch starts its threads: they inherit the mask
-        if config.engine.parallel.nnodes > 1:
-            pin_collective_interface(config.engine.parallel.master_addr)
-        import torch
-
-        torch.set_num_threads(config.torch_threads)
-        from worker.worker import Worker
-
-        worker = Worker(config.engine, config.rank, config.dist_init_method)
+        worker = start_worker(config)
         sock.send(to_engine.encode(msgspec.structs.replace(worker.report_kv(), host=config.host)))
-        while True:
-            if not sock.poll(PARENT_CHECK_MS):
-                if os.getppid() != parent:
-                    logger.error("The engine core is gone; exiting")
-                    return 1
-                continue
-            try:
-                msg = from_engine.decode(sock.recv())
-            except ProtocolError as e:
-                logger.error("Dropped a malformed message: %s", e)
-                continue
-            if isinstance(msg, SchedulerOutput):
-                output = worker.execute_model(msg)
-                if config.rank == 0:
-                    sock.send(to_engine.encode(output))
-            elif isinstance(msg, InitKVCache):
-                sock.send(to_engine.encode(worker.init_kv_cache(msg.kv_cache_config)))
-            elif isinstance(msg, Shutdown):
-                return 0
+        return serve(worker, config.rank, sock, parent)
     except Exception as e:  # noqa: BLE001 -- any failure is reported to the engine core before exiting
         logger.error("Worker failed: %s", e)
         sock.send(to_engine.encode(WorkerError(config.rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
@@ -81,6 +58,44 @@ def main() -> int:
             worker.shutdown()
         sock.close()
         ctx.term()
+
+
+def start_worker(config: WorkerConfig) -> "Worker":
+    """Pin the cores and the collective interface before torch starts its threads (they inherit the mask)."""
+    if config.cpu_cores is not None:
+        os.sched_setaffinity(0, config.cpu_cores)
+    if config.engine.parallel.nnodes > 1:
+        pin_collective_interface(config.engine.parallel.master_addr)
+    import torch
+
+    torch.set_num_threads(config.torch_threads)
+    from worker.worker import Worker
+
+    return Worker(config.engine, config.rank, config.dist_init_method)
+
+
+def serve(worker: "Worker", rank: int, sock: zmq.Socket, parent: int) -> int:
+    """Execute the engine core's messages in order until Shutdown (0) or the engine core is gone (1)."""
+    to_engine, from_engine = worker_to_engine_codec(), engine_to_worker_codec()
+    while True:
+        if not sock.poll(PARENT_CHECK_MS):
+            if os.getppid() != parent:
+                logger.error("The engine core is gone; exiting")
+                return 1
+            continue
+        try:
+            msg = from_engine.decode(sock.recv())
+        except ProtocolError as e:
+            logger.error("Dropped a malformed message: %s", e)
+            continue
+        if isinstance(msg, SchedulerOutput):
+            output = worker.execute_model(msg)
+            if rank == 0:
+                sock.send(to_engine.encode(output))
+        elif isinstance(msg, InitKVCache):
+            sock.send(to_engine.encode(worker.init_kv_cache(msg.kv_cache_config)))
+        elif isinstance(msg, Shutdown):
+            return 0
 
 
 if __name__ == "__main__":
