@@ -1,7 +1,7 @@
 """Helpers shared by the ledger tests (no tests in here).
 
 Builders for specs/configs/requests, a full snapshot of the ledger's state (to show that a refused
-allocate_slots changed nothing) and one checker for every DESIGN.md invariant of the ledger.
+allocate_slots changed nothing) and one checker for every ledger invariant of docs/architecture.md.
 """
 
 from collections import Counter
@@ -107,7 +107,7 @@ def snapshot(manager: KVCacheManager) -> dict:
 
 
 def check_invariants(manager: KVCacheManager, requests: dict | None = None) -> None:
-    """Every ledger invariant of DESIGN.md. `requests`: the live requests by id (for hash checks)."""
+    """Every ledger invariant of docs/architecture.md. `requests`: the live requests by id (for hash checks)."""
     pool = manager.block_pool
     n = pool.num_gpu_blocks
     null = pool.null_block

@@ -1,4 +1,4 @@
-"""A hypothesis state machine that drives KVCacheManager like a scheduler and checks every DESIGN.md
+"""A hypothesis state machine that drives KVCacheManager like a scheduler and checks every docs/architecture.md
 invariant after every step.
 
 Four configurations: one full-attention group, and a hybrid full + sliding-window pair, each with and

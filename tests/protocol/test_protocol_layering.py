@@ -1,4 +1,4 @@
-"""protocol/ depends on msgspec and the standard library only (DESIGN.md); no pickle anywhere.
+"""protocol/ depends on msgspec and the standard library only (docs/architecture.md); no pickle anywhere.
 
 Its two sub-packages are the ground floor every process shares beyond the wire: protocol/process/ (what
 every process does alike at spawn: worker configs, CPU binding, signals, open files, host labels) and
