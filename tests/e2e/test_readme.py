@@ -1,4 +1,4 @@
-"""Every command block of README.md runs, with small workloads and per-test addresses.
+"""Every command block of README.md and docs/*.md runs, with small workloads and per-test addresses.
 
 The README's code (indented blocks and ``` fences) is split into units: a fence is one unit, an indented
 block gives one per command (continuation lines joined, `&&` parts apart, `#` comments dropped). Each
@@ -27,6 +27,7 @@ from tests.e2e.conftest import CommandProcess, wait_until
 from tests.e2e.serve_support import free_port
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+DOCS = [README, *sorted((README.parent / "docs").glob("*.md"))]
 ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
 SMALL_ENGINE = {"--max-model-len": "256", "--kv-cache-memory-bytes": "8MiB"}
 SMALL_BENCH = {"--num-prompts": "4", "--input-len": "32", "--prefix-len": "16", "--output-len": "8"}
@@ -60,7 +61,7 @@ def units(block: tuple[str, str]) -> list[str]:
     return [part.strip() for c in commands for part in c.split(" && ")]
 
 
-BLOCKS = readme_blocks(README.read_text())
+BLOCKS = [block for doc in DOCS for block in readme_blocks(doc.read_text())]
 UNITS = [unit for block in BLOCKS for unit in units(block)]
 
 
@@ -254,7 +255,7 @@ RULES: dict[str, Callable[[str, Context], None] | str] = {
     r"ruff check ": "lints the packages: .ci/run runs the same command before the tests",
     r"mypy$": "type-checks the packages: .ci/run runs the same command before the tests",
     r"kvengine bench$": run_bench,
-    r"```text\n client\(s\)": "a diagram",
+    r"```text\n +HTTP \(OpenAI API\)": "a diagram (docs/architecture.md)",
     r"kvengine serve --address ": run_readme_server,
     r"kvengine serve -dp 2 ": run_readme_server,
     r"python -m bench.dp_trace": "replays the whole trace six times (about 20 minutes); tests/launch/test_simulate_dp.py "
