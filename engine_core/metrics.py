@@ -1,4 +1,5 @@
-"""Prometheus metrics of the engine core, named after vLLM's where the meaning is the same, and their endpoint."""
+"""Prometheus metrics of the engine core and their endpoint: kvengine's own series (kvengine:*, named after vLLM's
+where the meaning is the same) and, beside them, vLLM's under its names, labels and buckets (vllm_metrics.py)."""
 
 import asyncio
 import logging
@@ -10,6 +11,7 @@ from urllib.parse import urlsplit
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from engine_core.safe_log import safe_for_log
+from engine_core.vllm_metrics import VllmMetrics
 from protocol import EngineCoreOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -25,9 +27,11 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 
 
 class EngineMetrics:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, model_name: str = "tiny") -> None:
+        """model_name: the served model's name, vLLM's model_name label."""
         self.block_size = block_size
         self.registry = r = CollectorRegistry()
+        self.vllm = VllmMetrics(r, model_name)
         p = "kvengine:"
         self.kv_cache_usage = Gauge(p + "kv_cache_usage_perc", "KV-cache usage: share of usable blocks not in the "
                                     "free queue (0-1; cached-but-free blocks count as free)", registry=r)
@@ -63,19 +67,26 @@ class EngineMetrics:
             self.server.close()
 
     def update_stats(self, stats: SchedulerStats) -> None:
-        self.kv_cache_usage.set(stats.kv_cache_usage)
-        self.running.set(stats.num_running_reqs)
-        self.waiting.set(stats.num_waiting_reqs)
+        vllm = self.vllm
+        for ours, theirs, value in ((self.kv_cache_usage, vllm.kv_cache_usage, stats.kv_cache_usage),
+                                    (self.running, vllm.running, stats.num_running_reqs),
+                                    (self.waiting, vllm.waiting, stats.num_waiting_reqs)):
+            ours.set(value)
+            theirs.set(value)
         self.blocks_held.set(stats.num_blocks_held)
         self.blocks_cached_free.set(stats.num_cached_free_blocks)
         slots = stats.num_blocks_held * self.block_size
         self.token_occupancy.set(stats.num_tokens_stored / slots if slots else 0.0)
         last = self._last
-        self.prefix_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
-        self.prefix_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
-        self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
-        self.prompt_tokens.inc(stats.num_prompt_tokens - last.num_prompt_tokens)
-        self.generation_tokens.inc(stats.num_generation_tokens - last.num_generation_tokens)
+        for counter, vllm_counter, delta in (
+            (self.prefix_queries, vllm.prefix_queries, stats.prefix_cache_queries - last.prefix_cache_queries),
+            (self.prefix_hits, vllm.prefix_hits, stats.prefix_cache_hits - last.prefix_cache_hits),
+            (self.preemptions, vllm.preemptions, stats.num_preemptions - last.num_preemptions),
+            (self.prompt_tokens, vllm.prompt_tokens, stats.num_prompt_tokens - last.num_prompt_tokens),
+            (self.generation_tokens, vllm.generation_tokens, stats.num_generation_tokens - last.num_generation_tokens),
+        ):
+            counter.inc(delta)
+            vllm_counter.inc(delta)
         self._last = stats
 
     def on_arrival(self, request_id: str) -> None:
@@ -83,6 +94,7 @@ class EngineMetrics:
 
     def on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         now = time.monotonic()
+        vllm = self.vllm
         for out in outputs:
             if out.new_token_ids:
                 last = self._last_token.get(out.request_id)
@@ -90,12 +102,17 @@ class EngineMetrics:
                     arrival = self._arrival.get(out.request_id)
                     if arrival is not None:
                         self.ttft.observe(now - arrival)
+                        vllm.ttft.observe(now - arrival)
                 else:
                     self.itl.observe(now - last)
+                    vllm.itl.observe(now - last)
                 self._last_token[out.request_id] = now
             if out.finish_reason is not None:
                 self.request_success.labels(out.finish_reason).inc()
-                self._arrival.pop(out.request_id, None)
+                vllm.request_success[out.finish_reason].inc()
+                arrival = self._arrival.pop(out.request_id, None)
+                if arrival is not None and out.finish_reason != "error":  # a refused request never ran
+                    vllm.e2e.observe(now - arrival)
                 self._last_token.pop(out.request_id, None)
 
 

@@ -118,7 +118,8 @@ class EngineServer(ServerProcess):
         """Metrics endpoint and KV event publisher, when asked for; errors here are start-up errors."""
         server = self.config.server
         if server.metrics_port is not None or self.front_door is not None:
-            self.metrics = EngineMetrics(self.config.cache.block_size)
+            model_name = server.served_model_name or self.config.model.model or "tiny"  # as the HTTP API names it
+            self.metrics = EngineMetrics(self.config.cache.block_size, model_name)
             if server.metrics_port is None:  # a private endpoint, for the HTTP API's /metrics
                 self.metrics.serve(0, "127.0.0.1")
             else:
