@@ -17,7 +17,14 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from engine_core.safe_log import PeerWarnings, safe_for_log
-from protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ProtocolError, SchedulerStats
+from protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+    ProtocolError,
+    SchedulerStats,
+)
 from protocol.codec import client_codec, outputs_codec
 from protocol.messages import MAX_PROMPT_TOKENS, MAX_REQUEST_ID_LENGTH, ClientMessage, FinishReason
 
@@ -200,9 +207,9 @@ class ClientRouter:
                 self._start_backlog(identity).add_outputs(outs)
 
     def reply(self, identity: bytes, outs: list[EngineCoreOutput], stats: SchedulerStats | None = None,
-              reset_prefix_cache: bool | None = None) -> None:
+              reset_prefix_cache: bool | None = None, info: EngineInfo | None = None) -> None:
         """Answer a client's message (not an output of an admitted request)."""
-        msg = EngineCoreOutputs(outs, time.time(), stats=stats, reset_prefix_cache=reset_prefix_cache)
+        msg = EngineCoreOutputs(outs, time.time(), stats=stats, reset_prefix_cache=reset_prefix_cache, info=info)
         backlog = self.backlogs.get(identity)
         if backlog is None:
             if self._try_send(identity, msg):

@@ -13,6 +13,7 @@ from protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineInfo,
     KVCacheConfig,
     KVCacheEvent,
     SchedulerOutput,
@@ -134,6 +135,10 @@ class EngineCore:
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+    def info(self) -> EngineInfo:
+        config = self.kv_cache_config
+        return EngineInfo(self.max_model_len, self.config.cache.block_size, config.num_blocks - 1)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -11,7 +11,13 @@ from engine_core.core import EngineCore
 from engine_core.kv_event_publisher import KVEventPublisher
 from engine_core.metrics import EngineMetrics
 from engine_core.stats_log import StatsLogger
-from protocol import EngineCoreAbort, EngineCoreGetStats, EngineCoreRequest, EngineCoreResetPrefixCache
+from protocol import (
+    EngineCoreAbort,
+    EngineCoreGetInfo,
+    EngineCoreGetStats,
+    EngineCoreRequest,
+    EngineCoreResetPrefixCache,
+)
 
 logger = logging.getLogger(__name__)
 STATS_PERIOD = 0.25  # seconds between stats snapshots for metrics and the log line
@@ -71,3 +77,5 @@ class EngineLoop:
                 self.router.reply(identity, [], stats=self.engine.get_stats())
             elif isinstance(msg, EngineCoreResetPrefixCache):
                 self.router.reply(identity, [], reset_prefix_cache=self.engine.reset_prefix_cache())
+            elif isinstance(msg, EngineCoreGetInfo):
+                self.router.reply(identity, [], info=self.engine.info())

@@ -53,7 +53,13 @@ class EngineCoreResetPrefixCache(msgspec.Struct, tag=True, **_struct):
     """Drop every cached prefix; refused while any block is in use. Answered with reset_prefix_cache set."""
 
 
-ClientMessage = EngineCoreRequest | EngineCoreAbort | EngineCoreGetStats | EngineCoreResetPrefixCache
+class EngineCoreGetInfo(msgspec.Struct, tag=True, **_struct):
+    """Ask what the engine serves (a router's or API server's ready handshake); answered with info set."""
+
+
+ClientMessage = (
+    EngineCoreRequest | EngineCoreAbort | EngineCoreGetStats | EngineCoreResetPrefixCache | EngineCoreGetInfo
+)
 
 # ---- engine core -> client ------------------------------------------------------------------
 
@@ -100,11 +106,20 @@ class SchedulerStats(msgspec.Struct, **_struct):
     engines: "list[SchedulerStats] | None" = None
 
 
+class EngineInfo(msgspec.Struct, **_struct):
+    """What an engine serves, as its start-up resolved it (behind a DP router: the engines' common values)."""
+
+    max_model_len: int
+    block_size: int
+    num_gpu_blocks: int  # usable blocks (the null block excluded); behind a DP router, the sum over the engines
+
+
 class EngineCoreOutputs(msgspec.Struct, **_struct):
     outputs: list[EngineCoreOutput]
     timestamp: float = 0.0
     stats: SchedulerStats | None = None
     reset_prefix_cache: bool | None = None  # the answer to EngineCoreResetPrefixCache: False = refused
+    info: EngineInfo | None = None  # the answer to EngineCoreGetInfo
 
 
 # ---- engine core -> workers -----------------------------------------------------------------

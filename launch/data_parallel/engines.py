@@ -69,7 +69,6 @@ class EngineProcess:
         self.sock.connect(self.address)
         self.events = KVEventSubscriber(ctx, f"ipc://{tmpdir}/kv-events-{index}.sock",
                                         f"ipc://{tmpdir}/kv-replay-{index}.sock")
-        self.ready = False
         self.alive = True
 
     def terminate(self) -> None:

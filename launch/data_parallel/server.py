@@ -33,16 +33,17 @@ from launch.data_parallel.metrics import EngineMetricsCollector
 from launch.data_parallel.routing import Router
 from protocol import (
     EngineCoreAbort,
+    EngineCoreGetInfo,
     EngineCoreGetStats,
     EngineCoreOutput,
     EngineCoreRequest,
     EngineCoreResetPrefixCache,
+    EngineInfo,
     ProtocolError,
     SchedulerStats,
 )
 from protocol.codec import client_codec, outputs_codec
 from protocol.config import EngineConfig, with_settings
-from protocol.model.source import raw_config
 from protocol.process.server_process import ServerProcess
 
 logger = logging.getLogger("kvengine.serve")
@@ -63,13 +64,6 @@ def check_data_parallel(config: EngineConfig) -> str | None:
         return "--kv-events-endpoint cannot be combined with --data-parallel-size > 1: each engine core's KV " \
                "events go to the router on a private endpoint"
     return None
-
-
-def resolved_max_model_len(config: EngineConfig) -> int:
-    """The max_model_len the engines resolve (what the HTTP API checks prompts against)."""
-    if config.model.max_model_len is not None:
-        return config.model.max_model_len
-    return int(raw_config(config.model.model).get("max_position_embeddings", 2048))
 
 
 @dataclass
@@ -107,6 +101,7 @@ class DataParallelServer(ServerProcess):
         self.router = Router(self.n, config.parallel.router_policy, cache.block_size, cache.prefix_caching_hash_algo)
         self.engine_of: dict[str, int] = {}  # request id -> engine, while in flight
         self.gathers: list[deque[Gather]] = [deque() for _ in range(self.n)]
+        self.info = EngineInfo(0, 0, 0)  # what the engines serve, from their ready handshake
         self.client_codec, self.outputs_codec = client_codec(), outputs_codec()
 
     def serve(self) -> int:
@@ -141,32 +136,45 @@ class DataParallelServer(ServerProcess):
         return True
 
     def _wait_ready(self) -> bool:
-        """Until every engine answers a stats request; False if one exits first or a stop signal arrives."""
+        """Until every engine answers its ready handshake (EngineCoreGetInfo); False if one exits first, the engines
+        disagree on what they serve, or a stop signal arrives."""
         for engine in self.engines:
-            engine.sock.send(self.client_codec.encode(EngineCoreGetStats()))
+            engine.sock.send(self.client_codec.encode(EngineCoreGetInfo()))
         poller = zmq.Poller()
         for engine in self.engines:
             poller.register(engine.sock, zmq.POLLIN)
-        while not all(e.ready for e in self.engines):
+        infos: dict[int, EngineInfo] = {}
+        while len(infos) < self.n:
             if self.stopping:
                 logger.info("Start-up interrupted")
                 return False
             for sock, _ in poller.poll(POLL_MS):
                 engine = next(e for e in self.engines if e.sock is sock)
-                engine.sock.recv()
-                engine.ready = True
+                info = self.outputs_codec.decode(engine.sock.recv()).info
+                if info is None:
+                    logger.error("Start-up failed: engine core %d answered its handshake without EngineInfo", engine.index)
+                    return False
+                infos[engine.index] = info
             for engine in self.engines:
                 if engine.proc.poll() is not None:
                     logger.error("Start-up failed: engine core %d exited with code %d", engine.index,
                                  engine.proc.returncode)
                     return False
+        return self._ready(list(infos.values()))
+
+    def _ready(self, infos: list[EngineInfo]) -> bool:
+        lengths = {info.max_model_len for info in infos}
+        if len(lengths) > 1:
+            logger.error("Start-up failed: the engine cores resolved different max_model_len: %s", sorted(lengths))
+            return False
+        self.info = EngineInfo(infos[0].max_model_len, infos[0].block_size, sum(i.num_gpu_blocks for i in infos))
         assert self.client is not None
         address = self.client.address
         logger.info("kvengine ready: serving on %s (data parallel %d, router policy %s, tensor parallel %d)",
                     address, self.n, self.config.parallel.router_policy, self.config.parallel.tensor_parallel_size)
         if self.api_servers is not None:
             assert self.metrics_server is not None
-            self.api_servers.spawn(address, resolved_max_model_len(self.config), self.metrics_server.port)
+            self.api_servers.spawn(address, self.info.max_model_len, self.metrics_server.port)
         return True
 
     def _serves_metrics(self) -> bool:
@@ -271,6 +279,8 @@ class DataParallelServer(ServerProcess):
                 self._abort([rid for rid in msg.request_ids if client.owns(identity, rid)])
             elif isinstance(msg, EngineCoreGetStats | EngineCoreResetPrefixCache):
                 self._fan_out(identity, msg)
+            elif isinstance(msg, EngineCoreGetInfo):
+                client.reply(identity, [], info=self.info)
 
     def _forward(self, request: EngineCoreRequest) -> None:
         engine = self.router.route(request.prompt_token_ids, request.cache_salt)

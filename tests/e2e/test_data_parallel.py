@@ -10,7 +10,15 @@ import pytest
 import zmq
 
 from launch.client import AsyncEngineClient
-from protocol import EngineCoreGetStats, EngineCoreOutputs, EngineCoreRequest, SamplingParams, SchedulerStats
+from protocol import (
+    EngineCoreGetInfo,
+    EngineCoreGetStats,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+    SamplingParams,
+    SchedulerStats,
+)
 from protocol.codec import client_codec, outputs_codec
 from tests.e2e.conftest import ServerProcess, cmdline, descendants, processes_in_group, wait_exit, wait_until
 from tests.e2e.serve_support import collect
@@ -58,6 +66,23 @@ def raw_generate(address: str, batch: list[list[int]], params: SamplingParams) -
         ctx.term()
 
 
+def engine_info(address: str) -> EngineInfo:
+    """The answer to EngineCoreGetInfo, on a plain DEALER."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        sock.send(client_codec().encode(EngineCoreGetInfo()))
+        assert sock.poll(120_000), "the server stopped answering"
+        info = outputs_codec().decode(sock.recv()).info
+        assert info is not None
+        return info
+    finally:
+        sock.close()
+        ctx.term()
+
+
 async def engine_stats(address: str) -> list[SchedulerStats]:
     async with AsyncEngineClient(address) as client:
         stats = await client.get_stats()
@@ -81,6 +106,10 @@ def test_dp2_answers_every_request_exactly_once_with_dp1s_greedy_tokens(start_se
     assert all(len(t) == GREEDY.max_tokens for t in tokens.values())
     per_engine = asyncio.run(engine_stats(dp2.address))
     assert len(per_engine) == 2
+    # The router took max_model_len from the engines' handshake: what one engine with the same flags serves.
+    one, two = engine_info(dp1.address), engine_info(dp2.address)
+    assert one.max_model_len == two.max_model_len == 512
+    assert two.num_gpu_blocks == 2 * one.num_gpu_blocks and two.block_size == one.block_size == BLOCK
     assert all(s.num_prompt_tokens > 0 for s in per_engine), "one engine got no request"
     assert sum(s.num_prompt_tokens for s in per_engine) == sum(map(len, batch))
 

@@ -29,7 +29,7 @@ SEED = 20240611
 PROMPT = prompts(1, seed=7, lo=40, hi=41)[0]  # 40 tokens: two full blocks, so it publishes KV events
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 REPLY_WAIT_MS = 60_000  # a liveness bound for a reply, not a timing
-TAGS = ["EngineCoreRequest", "EngineCoreAbort", "EngineCoreGetStats", "EngineCoreResetPrefixCache"]
+TAGS = ["EngineCoreRequest", "EngineCoreAbort", "EngineCoreGetStats", "EngineCoreResetPrefixCache", "EngineCoreGetInfo"]
 INTS = [0, 1, -1, 2**31, 2**63 - 1, -(2**63), 2**64 - 1]
 FLOATS = [math.nan, math.inf, -math.inf, -0.0, 1e308, 0.5]
 
