@@ -17,6 +17,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from worker.kv_quant import KVCache, QuantizedKV, gather_dequantized, write_quantized
+
 DECODE_CHUNK_BYTES = 2 << 20
 
 
@@ -161,11 +163,17 @@ class GatherBuffer:
     def __init__(self, max_tokens: int, num_kv_heads: int, head_size: int, dtype, device):
         self.data = torch.zeros(2, num_kv_heads, max_tokens, head_size, dtype=dtype, device=device)
 
-    def gather(self, cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of these blocks, each [kv_heads, len(block_ids) * block_size, head_size]."""
-        n, bs = block_ids.numel(), cache.shape[3]
+    def gather(self, cache: KVCache, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of these blocks, each [kv_heads, len(block_ids) * block_size, head_size]; a quantized cache's
+        dequantized."""
+        shape = cache.data.shape if isinstance(cache, QuantizedKV) else cache.shape
+        n, bs = block_ids.numel(), shape[3]
         if n * bs > self.data.shape[2]:
             raise RuntimeError(f"gather of {n * bs} tokens exceeds the {self.data.shape[2]}-token buffer")
+        if isinstance(cache, QuantizedKV):
+            kv = self.data[:, :, : n * bs].view(2, shape[1], n, bs, shape[4])
+            gather_dequantized(cache, block_ids, kv)
+            return kv[0].view(shape[1], n * bs, -1), kv[1].view(shape[1], n * bs, -1)
         k = self.data[0, :, : n * bs].view(cache.shape[1], n, bs, cache.shape[4])
         v = self.data[1, :, : n * bs].view(cache.shape[1], n, bs, cache.shape[4])
         torch.index_select(cache[0], 1, block_ids, out=k)
@@ -173,8 +181,10 @@ class GatherBuffer:
         return k.view(cache.shape[1], n * bs, -1), v.view(cache.shape[1], n * bs, -1)
 
 
-def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """k, v: [tokens, kv_heads, head_size] written at their slots."""
+def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """k, v: [tokens, kv_heads, head_size] written at their slots (quantized where the cache is)."""
+    if isinstance(cache, QuantizedKV):
+        return write_quantized(cache, k, v, slots)
     heads, hd = cache.shape[1], cache.shape[4]
     cache[0].view(heads, -1, hd).index_copy_(1, slots, k.transpose(0, 1))
     cache[1].view(heads, -1, hd).index_copy_(1, slots, v.transpose(0, 1))
@@ -184,17 +194,19 @@ def paged_attention(
     q: torch.Tensor,  # [tokens, heads, head_size]
     k: torch.Tensor,  # [tokens, kv_heads, head_size]
     v: torch.Tensor,
-    cache: torch.Tensor,
+    cache: KVCache,
     meta: AttentionMetadata,
     buffer: GatherBuffer,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Write this step's K/V at their slots, then attend over cached + new tokens; [tokens, heads*head_size]."""
+    """Write this step's K/V at their slots, then attend over cached + new tokens; [tokens, heads*head_size].
+    softcap: scaled scores capped to softcap * tanh(score / softcap) before the softmax."""
     write_kv(cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     for span in meta.spans:
-        if span.first_block is None:
+        if span.first_block is None or isinstance(cache, QuantizedKV):
             kg, vg = buffer.gather(cache, span.block_ids)
         else:
             blocks = slice(span.first_block, span.first_block + span.block_ids.numel())
@@ -208,8 +220,25 @@ def paged_attention(
             keys = slice(span.key_offset, span.key_offset + span.num_keys)
             kg, vg = kg[:, keys].unsqueeze(0), vg[:, keys].unsqueeze(0)
             qs = q[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(
-            qs, kg, vg, attn_mask=span.mask, is_causal=span.causal, scale=scale, enable_gqa=gqa
-        )
+        if softcap is None:
+            o = F.scaled_dot_product_attention(
+                qs, kg, vg, attn_mask=span.mask, is_causal=span.causal, scale=scale, enable_gqa=gqa
+            )
+        else:
+            o = softcapped_attention(qs, kg, vg, span, scale, softcap)
         out[span.q_start : span.q_end] = o.squeeze(2) if span.num_reqs > 1 else o[0].transpose(0, 1)
     return out.view(q.shape[0], -1)
+
+
+def softcapped_attention(q, k, v, span: Span, scale: float, softcap: float) -> torch.Tensor:
+    """SDPA with each scaled score s capped to softcap * tanh(s / softcap) (as transformers' eager attention does it:
+    softmax in fp32, then cast); q [b, heads, queries, hd], k and v [b, kv_heads, keys, hd]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scale / softcap) * softcap
+    visible = span.mask
+    if span.causal:
+        visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)

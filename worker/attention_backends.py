@@ -92,8 +92,9 @@ class TorchAttention:
     def metadata(self, table: torch.Tensor, window: int | None, reqs: StepRequests) -> AttentionMetadata:
         return build_metadata(table, self.block_size, window, reqs, self.kv_bytes_per_token)
 
-    def __call__(self, q, k, v, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention(q, k, v, cache, meta, self.buffer, scale)
+    def __call__(self, q, k, v, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                 softcap: float | None = None) -> torch.Tensor:
+        return paged_attention(q, k, v, cache, meta, self.buffer, scale, softcap)
 
 
 def kernel_metadata(block_table: torch.Tensor, window: int | None, reqs: StepRequests) -> CpuAttentionMetadata:
@@ -112,8 +113,9 @@ class CpuKernelAttention:
     def metadata(self, block_table: torch.Tensor, window: int | None, reqs: StepRequests) -> CpuAttentionMetadata:
         return kernel_metadata(block_table, window, reqs)
 
-    def __call__(self, q, k, v, cache: torch.Tensor, meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
-        return cpu_paged_attention(q, k, v, cache, meta, scale)
+    def __call__(self, q, k, v, cache: torch.Tensor, meta: CpuAttentionMetadata, scale: float,
+                 softcap: float | None = None) -> torch.Tensor:
+        return cpu_paged_attention(q, k, v, cache, meta, scale, softcap or 0.0)
 
 
 class TritonAttention:
@@ -132,8 +134,9 @@ class TritonAttention:
         meta = kernel_metadata(block_table, window, reqs)
         return self.ops.TritonAttentionMetadata(**vars(meta), max_query_len=reqs.max_query_len)
 
-    def __call__(self, q, k, v, cache: torch.Tensor, meta: "TritonAttentionMetadata", scale: float) -> torch.Tensor:
-        return self.ops.triton_paged_attention(q, k, v, cache, meta, scale)
+    def __call__(self, q, k, v, cache: torch.Tensor, meta: "TritonAttentionMetadata", scale: float,
+                 softcap: float | None = None) -> torch.Tensor:
+        return self.ops.triton_paged_attention(q, k, v, cache, meta, scale, softcap or 0.0)
 
 
 Attention = TorchAttention | CpuKernelAttention | TritonAttention

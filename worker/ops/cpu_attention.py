@@ -52,10 +52,12 @@ def paged_attention_cpu(
     seq_lens: torch.Tensor,
     window: int,
     scale: float,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q [tokens, heads, head_size] over the cache [2, kv_heads, num_blocks, block_size, head_size] read in place;
-    returns [tokens, heads * head_size]. num_computed of a request is seq_len - its query count."""
-    return load_extension().paged_attention(q, cache, block_table, query_start_loc, seq_lens, window, scale)
+    returns [tokens, heads * head_size]. num_computed of a request is seq_len - its query count; softcap > 0 caps
+    the scaled scores to softcap * tanh(score / softcap)."""
+    return load_extension().paged_attention(q, cache, block_table, query_start_loc, seq_lens, window, scale, softcap)
 
 
 def reshape_and_cache_cpu(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: CpuAttentionMetadata) -> None:
@@ -64,11 +66,13 @@ def reshape_and_cache_cpu(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
 
 
 def cpu_paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: CpuAttentionMetadata, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: CpuAttentionMetadata, scale: float,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The layer's attention: write this step's K/V, then attend over cached + new keys; [tokens, heads*head_size]."""
     reshape_and_cache_cpu(k, v, cache, meta)
-    return paged_attention_cpu(q, cache, meta.block_table, meta.query_start_loc, meta.seq_lens, meta.window, scale)
+    return paged_attention_cpu(q, cache, meta.block_table, meta.query_start_loc, meta.seq_lens, meta.window, scale,
+                               softcap)
 
 
 def load_extension() -> ModuleType:

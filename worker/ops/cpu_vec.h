@@ -120,6 +120,14 @@ inline vfloat exp_nonpos(vfloat x) {
   return y * reinterpret_cast<vfloat>((n + 127) << 23);
 }
 
+// c * tanh(x / c), lane-wise (attention soft-capping): tanh(|y|) = (1 - e) / (1 + e), e = exp(-2|y|), sign restored.
+inline vfloat soft_cap(vfloat x, float c) {
+  const vfloat y = x / c;
+  const vfloat e = exp_nonpos(y < 0 ? y * 2.0f : y * -2.0f);
+  const vfloat t = (1.0f - e) / (1.0f + e);
+  return (y < 0 ? -t : t) * c;
+}
+
 // n fp32 values stored as T; bf16 rounded to nearest even a vector at a time (NaN stays NaN).
 template <typename T>
 inline void from_float(const float* src, T* dst, int64_t n) {

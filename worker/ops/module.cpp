@@ -7,7 +7,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_attention", &paged_attention, "paged attention over the block table, [tokens, heads * head_size]",
         py::arg("q"), py::arg("cache"), py::arg("block_table"), py::arg("query_start_loc"), py::arg("seq_lens"),
-        py::arg("window"), py::arg("scale"), nogil);
+        py::arg("window"), py::arg("scale"), py::arg("softcap") = 0.0, nogil);
   m.def("reshape_and_cache", &reshape_and_cache, "write K/V at the slots the block table gives", py::arg("k"),
         py::arg("v"), py::arg("cache"), py::arg("block_table"), py::arg("query_start_loc"), py::arg("seq_lens"),
         nogil);

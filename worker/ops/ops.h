@@ -6,7 +6,7 @@
 // Attention over the paged cache, read in place through the block table (paged_attention.cpp).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t window,
-                           double scale);
+                           double scale, double softcap);
 void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache, const at::Tensor& block_table,
                        const at::Tensor& query_start_loc, const at::Tensor& seq_lens);
 

@@ -4,7 +4,8 @@
 // cache: [2, kv_heads, num_blocks, block_size, head_size] (K then V); the key at position p of
 // request r lives in block block_table[r][p / block_size] at offset p % block_size.
 // query_start_loc: [num_reqs + 1] int32; seq_lens: [num_reqs] int32 (keys the last query sees).
-// A query at position p sees keys [max(0, p - window + 1), p] (window -1: [0, p]).
+// A query at position p sees keys [max(0, p - window + 1), p] (window -1: [0, p]). softcap > 0 caps each
+// scaled score s to softcap * tanh(s / softcap) before the softmax (Gemma 2).
 //
 // The work is split into items: (request, kv head, up to one vector's lanes of (query token, q head)
 // rows); the rows of one item share every K/V block they read. Items run largest first on torch's
@@ -122,6 +123,7 @@ struct Shape {
   int64_t q_token_stride, q_head_stride;
   int64_t window;  // <= 0: none
   float scale;
+  float softcap;  // <= 0: none
 };
 
 // One thread's scratch, reused across its items; kD == 0: head size known only at run time.
@@ -384,7 +386,11 @@ class ItemRunner {
     store(sum_, sum);
   }
 
+  // The soft-capped score (unchanged without a cap).
+  vfloat cap(vfloat s) const { return s_.softcap > 0 ? soft_cap(s, s_.softcap) : s; }
+
   vfloat mask_and_store(vfloat s, int32_t base, int j, vint lo, vint hi, bool seen) {
+    s = cap(s);
     if (!seen) {
       const vint pos = splat_int(base + j);
       s = (pos >= lo) & (pos <= hi) ? s : splat(kMasked);
@@ -424,6 +430,7 @@ class ItemRunner {
         }
         vfloat x = sum_lanes(part);
         if (dot_) x *= s_.scale;
+        x = cap(x);
         const vint pos = splat_int(base + jc) + iota();
         x = (pos >= lo_[m]) & (pos <= hi_[m]) & (pos < base + j1) ? x : splat(kMasked);
         store(sc + jc, x);
@@ -455,7 +462,7 @@ class ItemRunner {
         sum_lane_pairs(part, x, std::make_index_sequence<kLanes>{});
         const vint pos = splat_int(base + jc) + iota();
         for (int r = 0; r < 2; ++r) {
-          const vfloat y = (pos >= lo_[m + r]) & (pos <= hi_[m + r]) & (pos < base + j1) ? x[r] * s_.scale
+          const vfloat y = (pos >= lo_[m + r]) & (pos <= hi_[m + r]) & (pos < base + j1) ? cap(x[r] * s_.scale)
                                                                                           : splat(kMasked);
           store(scores_.data() + (m + r) * key_stride_ + off + jc, y);
         }
@@ -694,7 +701,7 @@ std::vector<Request> read_requests(const at::Tensor& block_table, const at::Tens
   return reqs;
 }
 
-Shape read_shape(const at::Tensor& q, const at::Tensor& cache, int64_t window, double scale) {
+Shape read_shape(const at::Tensor& q, const at::Tensor& cache, int64_t window, double scale, double softcap) {
   TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "paged_attention_cpu: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [tokens, heads, head_size] with contiguous heads");
   TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous(),
@@ -704,7 +711,7 @@ Shape read_shape(const at::Tensor& q, const at::Tensor& cache, int64_t window, d
   TORCH_CHECK(q.size(1) % cache.size(1) == 0, "heads must be a multiple of kv heads");
   TORCH_CHECK(window == -1 || window > 0, "window must be -1 (none) or positive");
   return {q.size(1), cache.size(1), q.size(1) / cache.size(1), q.size(2), cache.size(3), cache.size(2),
-          q.stride(0), q.stride(1), window, static_cast<float>(scale)};
+          q.stride(0), q.stride(1), window, static_cast<float>(scale), static_cast<float>(softcap)};
 }
 
 template <typename T, int kD>
@@ -737,8 +744,8 @@ void dispatch_head_size(const Shape& s, const std::vector<Item>& items, const st
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
                               const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t window,
-                              double scale) {
-  const Shape s = read_shape(q, cache, window, scale);
+                              double scale, double softcap) {
+  const Shape s = read_shape(q, cache, window, scale, softcap);
   const std::vector<Request> reqs = read_requests(block_table, query_start_loc, seq_lens, q.size(0), s, false);
   std::vector<Item> items;
   for (int32_t r = 0; r < static_cast<int32_t>(reqs.size()); ++r) {
@@ -761,7 +768,7 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& cac
               "k and v must be [tokens, kv_heads, head_size] with contiguous heads");
   TORCH_CHECK(k.scalar_type() == cache.scalar_type() && v.scalar_type() == cache.scalar_type(),
               "k, v and cache must share a dtype");
-  const Shape s = read_shape(k, cache, -1, 1.0);
+  const Shape s = read_shape(k, cache, -1, 1.0, 0.0);
   TORCH_CHECK(k.size(1) == s.kv_heads, "k must have the cache's kv heads");
   const std::vector<Request> reqs = read_requests(block_table, query_start_loc, seq_lens, k.size(0), s, true);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "reshape_and_cache_cpu", [&] {

@@ -3,7 +3,8 @@
 Same inputs and semantics as the CPU kernel (worker/ops/paged_attention.cpp): the cache is
 `[2, kv_heads, num_blocks, block_size, head_size]` (K then V), request r's key at position p lives in
 block `block_table[r, p // block_size]` at offset `p % block_size`, and a query at position p sees keys
-`[max(0, p - window + 1), p]` (window -1: `[0, p]`).
+`[max(0, p - window + 1), p]` (window -1: `[0, p]`); softcap > 0 caps each scaled score s to
+`softcap * tanh(s / softcap)` (Gemma 2).
 
 A program handles one (request, kv head, tile of the request's queries); its rows are the tile's query
 tokens times the q heads that share the kv head, so a decode reads each K/V block once for its whole GQA
@@ -59,13 +60,13 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
     out, q, cache, block_table, query_start_loc, seq_lens,
-    scale, window,
+    scale, window, softcap,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_kv, stride_c_head, stride_c_block, stride_c_slot, stride_c_dim,
     stride_table,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, TOKENS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_P: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     req, kv_head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_begin, q_len, context, t0 = _query_span(query_start_loc, seq_lens, req, tile, TOKENS)
@@ -97,6 +98,11 @@ def _paged_attention_kernel(
             v = _load_block(cache, kv_offset + stride_kv, block_id, stride_c_block, stride_c_slot, stride_c_dim,
                             slots, dims, in_range, dim_mask)
             scores = _dot(q_tile, tl.trans(k), PRECISION, UPCAST) * scale
+            if SOFTCAP:  # softcap * tanh(scores / softcap), tanh from exp(-2|y|)
+                y = scores / softcap
+                e = tl.exp(-2.0 * tl.abs(y))
+                t = (1.0 - e) / (1.0 + e)
+                scores = tl.where(y < 0, -t, t) * softcap
             seen = (key[None, :] <= pos[:, None]) & in_range[None, :]
             seen = seen & ((key[None, :] > pos[:, None] - window) | (window <= 0))
             scores = tl.where(seen, scores, float("-inf"))
@@ -163,7 +169,8 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta:
 
 
 def paged_attention_triton(
-    q: torch.Tensor, cache: torch.Tensor, meta: TritonAttentionMetadata, scale: float, block_table: torch.Tensor | None = None
+    q: torch.Tensor, cache: torch.Tensor, meta: TritonAttentionMetadata, scale: float,
+    block_table: torch.Tensor | None = None, softcap: float = 0.0,
 ) -> torch.Tensor:
     """q [tokens, heads, head_size] over the cache read in place; returns [tokens, heads * head_size].
     block_table replaces meta's (tests swap block ids with it)."""
@@ -180,20 +187,22 @@ def paged_attention_triton(
     grid = (len(meta.seq_lens), kv_heads, triton.cdiv(meta.max_query_len, tokens))
     _paged_attention_kernel[grid](
         out, q, cache, table, meta.query_start_loc, meta.seq_lens,
-        scale, meta.window,
+        scale, meta.window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *_cache_strides(cache), table.stride(0),
         GROUP=group, GROUP_P=group_p, TOKENS=tokens,
         BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HEAD_P=_padded(head_size),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        SOFTCAP=softcap > 0,
     )
     return out.view(q.shape[0], -1)
 
 
 def triton_paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: TritonAttentionMetadata, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: TritonAttentionMetadata, scale: float,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The layer's attention: write this step's K/V, then attend over cached + new keys; [tokens, heads*head_size]."""
     write_kv_triton(k, v, cache, meta)
-    return paged_attention_triton(q, cache, meta, scale)
+    return paged_attention_triton(q, cache, meta, scale, softcap=softcap)
