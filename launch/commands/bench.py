@@ -29,6 +29,7 @@ from launch.commands.percentiles import percentile
 from launch.http_stream import HttpError, get_json, post_sse
 from protocol import SamplingParams, SchedulerStats
 from protocol.config import EngineConfig, ServerConfig
+from protocol.model.check import check_model
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -249,6 +250,7 @@ async def _bench(args: argparse.Namespace, config: EngineConfig) -> tuple[dict, 
 def cmd_bench(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args, LOCAL_SERVER_AREAS)
+        check_model(config.model.model)  # one line for a --model that cannot load, before any process starts
     except ValueError as e:
         print(f"kvengine bench: {e}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import re
 import sys
+from typing import TYPE_CHECKING
 
 from launch.client import AsyncEngineClient, EngineDeadError, install_uvloop
 from launch.commands.config_args import add_config_args, config_from_args
@@ -17,6 +18,10 @@ from launch.commands.local_server import (
 )
 from protocol import SamplingParams
 from protocol.config import EngineConfig
+from protocol.model.check import check_model
+
+if TYPE_CHECKING:
+    from protocol.model.tokenizer import TextTokenizer
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -55,27 +60,11 @@ def parse_token_ids(text: str) -> list[int]:
 def cmd_generate(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args, LOCAL_SERVER_AREAS)
+        check_model(config.model.model)  # one line for a --model that cannot load, before any process starts
+        prompts, tokenizer = read_prompts(args, config.model.model)
     except ValueError as e:
         print(f"kvengine generate: {e}", file=sys.stderr)
         return 2
-    tokenizer = None
-    if args.prompt:
-        if not config.model.model:
-            print("kvengine generate: --prompt needs --model with a tokenizer (a GGUF file)", file=sys.stderr)
-            return 2
-        from protocol.model.tokenizer import load_tokenizer
-
-        tokenizer = load_tokenizer(config.model.model)
-        prompts = [tokenizer.encode(text) for text in args.prompt]
-    elif args.prompts_file:
-        try:
-            with open(args.prompts_file) as f:
-                prompts = [parse_token_ids(line) for line in f if line.strip()]
-        except (OSError, argparse.ArgumentTypeError) as e:
-            print(f"kvengine generate: {args.prompts_file}: {e}", file=sys.stderr)
-            return 2
-    else:
-        prompts = args.prompt_token_ids
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
     install_uvloop()
@@ -88,6 +77,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(flush=True)  # end the line of streamed tokens
         print(f"kvengine generate: {e}", file=sys.stderr)
         return e.exit_code
+
+
+def read_prompts(args: argparse.Namespace, model: str | None) -> tuple[list[list[int]], "TextTokenizer | None"]:
+    """The prompts as token ids, and the tokenizer of text prompts; ValueError (one line) when they cannot be had."""
+    if args.prompt:
+        tokenizer = text_tokenizer(model)
+        return [tokenizer.encode(text) for text in args.prompt], tokenizer
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file) as f:
+                return [parse_token_ids(line) for line in f if line.strip()], None
+        except (OSError, argparse.ArgumentTypeError) as e:
+            raise ValueError(f"{args.prompts_file}: {e}") from None
+    return args.prompt_token_ids, None
+
+
+def text_tokenizer(model: str | None) -> "TextTokenizer":
+    """The tokenizer of --model, for --prompt; ValueError naming the model when it has none or it cannot be read."""
+    instead = "give the prompt as token ids (--prompt-token-ids)"
+    if not model:
+        raise ValueError(f"--prompt needs --model with a tokenizer; the built-in model has none: {instead}")
+    from protocol.model.tokenizer import load_tokenizer  # here: the tokenizers library is slow to import
+
+    try:
+        return load_tokenizer(model)
+    except FileNotFoundError:
+        raise ValueError(f"{model}: no tokenizer.json, so --prompt cannot be tokenised (kvengine make-model writes "
+                         f"none): {instead}, or copy the model's tokenizer.json into the folder") from None
+    except Exception as e:  # noqa: BLE001 (the tokenizers library raises a plain Exception for a malformed file)
+        raise ValueError(f"{model}: its tokenizer cannot be read: {e}") from None
 
 
 async def _generate(args: argparse.Namespace, config: EngineConfig, prompts: list[list[int]], params: SamplingParams,

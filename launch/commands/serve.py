@@ -9,6 +9,7 @@ from engine_core.server import EngineServer
 from launch.api_server.launcher import ApiServers
 from launch.commands.config_args import add_config_args, config_from_args
 from launch.data_parallel.server import DataParallelServer, check_data_parallel
+from protocol.model.check import check_model
 from worker.headless import HeadlessHost
 
 logger = logging.getLogger("kvengine.serve")
@@ -24,6 +25,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
+        check_model(config.model.model)  # one line for a --model that cannot load, before any process starts
     except ValueError as e:
         print(f"kvengine serve: {e}")
         return 2

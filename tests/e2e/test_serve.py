@@ -200,7 +200,6 @@ def test_a_disconnected_client_has_its_requests_aborted(start_server):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--model", "/nonexistent/model"], "worker rank 0 failed"),
         (["--kv-cache-memory-bytes", "1000"], "No available memory for the cache blocks"),
         (["--kv-cache-memory-bytes", "1MiB", "--max-model-len", "2048"], "estimated maximum model length"),
     ],
