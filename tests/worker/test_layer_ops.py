@@ -4,7 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.model.layers import RMSNorm, Rotary, silu_and_mul
+from protocol.model.rope_config import RopeConfig
+from worker.model.layers import RMSNorm, silu_and_mul
+from worker.model.rope import Rotary
 from worker.ops.cpu_attention import load_extension
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -44,7 +46,8 @@ def test_rotary_in_place_on_strided_views_matches_torch(ops, dtype):
     qkv = torch.randn(21, (heads + 2 * kv_heads) * hd, generator=g).to(dtype)
     positions = torch.randint(0, 500, (21,), generator=g)
     scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)
-    reference, fused = (Rotary(hd, 500000.0, scaling, 512, "cpu", o) for o in (None, ops))
+    rope = RopeConfig(500000.0, hd, "llama3", scaling)
+    reference, fused = (Rotary(rope, 512, "cpu", o) for o in (None, ops))
     q, k, _ = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
     q, k = q.view(-1, heads, hd), k.view(-1, kv_heads, hd)
     expected = reference.apply(q, k, positions)
@@ -59,7 +62,7 @@ def test_rotary_in_place_on_strided_views_matches_torch(ops, dtype):
 
 def test_rotary_refuses_a_position_outside_its_table(ops):
     q, k = torch.zeros(2, 1, 32), torch.zeros(2, 1, 32)
-    rotary = Rotary(32, 10000.0, None, 16, "cpu", ops)
+    rotary = Rotary(RopeConfig(10000.0, 32), 16, "cpu", ops)
     with pytest.raises(RuntimeError, match="outside the table"):
         rotary.apply(q, k, torch.tensor([3, 16]))
 

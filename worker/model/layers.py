@@ -1,4 +1,4 @@
-"""Building blocks of a Llama-family decoder, sharded for tensor parallelism."""
+"""Building blocks of a decoder, sharded for tensor parallelism."""
 
 import math
 from types import ModuleType
@@ -31,6 +31,12 @@ class RMSNorm:
         return x, self(x)
 
 
+def norm(src: WeightSource, name: str, eps: float, offset: float, ops: ModuleType | None, **to) -> RMSNorm:
+    """The RMS norm of weight `name`; offset 1 for Gemma's, which scale by 1 + weight."""
+    weight = src.read(f"{name}.weight")
+    return RMSNorm((weight.float() + offset).to(**to) if offset else weight.to(**to), eps, ops)
+
+
 def silu_and_mul(x: torch.Tensor, ops: ModuleType | None) -> torch.Tensor:
     """silu(gate) * up, gate and up the two halves of x's last dim."""
     if ops is not None:
@@ -39,16 +45,40 @@ def silu_and_mul(x: torch.Tensor, ops: ModuleType | None) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-class ColumnParallelLinear:
-    """Output features split across ranks; several HF weights may be fused along the output dim."""
+def act_and_mul(x: torch.Tensor, act: str, ops: ModuleType | None) -> torch.Tensor:
+    """act(gate) * up: SwiGLU (silu, fused by ops) or GeGLU (gelu, exact or tanh-approximated as transformers'
+    gelu_pytorch_tanh)."""
+    if act == "silu":
+        return silu_and_mul(x, ops)
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh" if act == "gelu_pytorch_tanh" else "none") * up
 
-    def __init__(self, src: WeightSource, names: list[str], sizes: list[int], tp: TPGroup, bias: bool, **to):
+
+Part = tuple[str, int, int]  # an HF weight's name, first row and row count
+
+
+def separate(names: list[str], sizes: list[int]) -> list[Part]:
+    """Parts that are whole HF weights (q_proj, k_proj, v_proj)."""
+    return [(name, 0, size) for name, size in zip(names, sizes, strict=True)]
+
+
+def fused(name: str, sizes: list[int]) -> list[Part]:
+    """Parts that are row ranges of one HF weight (Phi-3's qkv_proj and gate_up_proj)."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [(name, start, size) for start, size in zip(starts, sizes, strict=True)]
+
+
+class ColumnParallelLinear:
+    """Output features split across ranks; each part (a weight, or rows of a fused one) split on its own, the
+    rank's shards concatenated along the output dim."""
+
+    def __init__(self, src: WeightSource, parts: list[Part], tp: TPGroup, bias: bool, **to):
         weights, biases = [], []
-        for name, size in zip(names, sizes, strict=True):
+        for name, first, size in parts:
             start, end = shard_range(size, tp.rank, tp.size)
-            weights.append(src.read(f"{name}.weight", 0, start, end))
+            weights.append(src.read(f"{name}.weight", 0, first + start, first + end))
             if bias:
-                biases.append(src.read(f"{name}.bias", 0, start, end))
+                biases.append(src.read(f"{name}.bias", 0, first + start, first + end))
         self.weight = torch.cat(weights).to(**to)
         self.bias = torch.cat(biases).to(**to) if bias else None
 
@@ -57,15 +87,17 @@ class ColumnParallelLinear:
 
 
 class RowParallelLinear:
-    """Input features split across ranks; partial outputs summed with an all-reduce."""
+    """Input features split across ranks; partial outputs summed with an all-reduce, then the bias added."""
 
-    def __init__(self, src: WeightSource, name: str, size_in: int, tp: TPGroup, **to):
+    def __init__(self, src: WeightSource, name: str, size_in: int, tp: TPGroup, bias: bool = False, **to):
         start, end = shard_range(size_in, tp.rank, tp.size)
         self.weight = src.read(f"{name}.weight", 1, start, end).to(**to)
+        self.bias = src.read(f"{name}.bias").to(**to) if bias else None
         self.tp = tp
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
 
 
 class VocabParallelEmbedding:
@@ -91,44 +123,3 @@ class VocabParallelEmbedding:
         """Full-vocabulary logits on rank 0 (None elsewhere), as a vocab-parallel LM head."""
         full = self.tp.gather_last_dim(F.linear(h, self.weight))
         return None if full is None else full[..., : self.vocab_size]
-
-
-class Rotary:
-    """Rotate-half RoPE with a cos/sin table per position (default or Llama 3 frequencies)."""
-
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int, device,
-                 ops: ModuleType | None = None):
-        self.ops = ops
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        if scaling is not None:
-            inv_freq = llama3_inv_freq(inv_freq, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
-
-    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k: [tokens, heads, head_dim], rotated (fused: in place)."""
-        if self.ops is not None:
-            self.ops.rotary(q, k, positions, self.cos, self.sin)
-            return q, k
-        return self(q, positions), self(k, positions)
-
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
-
-
-def llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
-    """Llama 3.1 frequency scaling: long wavelengths divided by `factor`, a smooth ramp between."""
-    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
-    old_len = p["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, smoothed, scaled)

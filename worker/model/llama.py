@@ -1,76 +1,67 @@
-"""Llama / Qwen2 decoder over the paged KV cache, one tensor-parallel shard per rank."""
+"""A decoder-only causal LM over the paged KV cache, one tensor-parallel shard per rank: embeddings, a stack of
+layers (pre-norm by default, Gemma's sandwich-normed ones from worker/model/gemma.py), final norm, LM head."""
 
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from protocol.model.config import ModelConfig
 from worker.attention_backends import Attention
-from worker.model.layers import (
-    ColumnParallelLinear,
-    RMSNorm,
-    Rotary,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    silu_and_mul,
-)
+from worker.kv_quant import KVCache
+from worker.model.attention_block import SelfAttention
+from worker.model.layers import VocabParallelEmbedding, norm
+from worker.model.layout import LLAMA, Layout
+from worker.model.mlp import GatedMLP
+from worker.model.moe import SparseMoE
+from worker.model.rope import Rotary
 from worker.model.weights import WeightSource
 from worker.parallel import TPGroup
 
 
-class DecoderLayer:
-    def __init__(self, cfg: ModelConfig, src: WeightSource, i: int, tp: TPGroup, ops: ModuleType | None, **to):
-        p = f"model.layers.{i}"
-        hd = cfg.head_dim
-        self.heads, self.kv_heads = cfg.num_attention_heads // tp.size, cfg.num_key_value_heads // tp.size
-        self.head_dim, self.scale = hd, hd**-0.5
-        self.sliding_window = cfg.layer_sliding_windows[i]
-        q_out, kv_out = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-        attn = f"{p}.self_attn"
-        self.qkv = ColumnParallelLinear(
-            src, [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], [q_out, kv_out, kv_out], tp, cfg.qkv_bias, **to
-        )
-        self.o_proj = RowParallelLinear(src, f"{attn}.o_proj", q_out, tp, **to)
-        mlp, inter = f"{p}.mlp", cfg.intermediate_size
-        self.gate_up = ColumnParallelLinear(
-            src, [f"{mlp}.gate_proj", f"{mlp}.up_proj"], [inter, inter], tp, False, **to
-        )
-        self.down = RowParallelLinear(src, f"{mlp}.down_proj", inter, tp, **to)
-        self.input_norm = RMSNorm(src.read(f"{p}.input_layernorm.weight").to(**to), cfg.rms_norm_eps, ops)
-        self.post_norm = RMSNorm(src.read(f"{p}.post_attention_layernorm.weight").to(**to), cfg.rms_norm_eps, ops)
-        self.ops = ops
+def feed_forward(cfg: ModelConfig, src: WeightSource, i: int, tp: TPGroup, ops: ModuleType | None, layout: Layout,
+                 **to) -> GatedMLP | SparseMoE:
+    """Layer i's MLP: a sparse MoE block where the model has one, else the dense gated MLP."""
+    p = f"model.layers.{i}"
+    if cfg.layer_moe[i]:
+        return SparseMoE(cfg, src, f"{p}.{layout.moe_block}", tp, ops, layout, **to)
+    return GatedMLP(src, f"{p}.mlp", cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias, tp, ops, layout, **to)
 
-    def __call__(self, x, positions, num_tokens: int, rotary, cache, meta, attention: Attention):
-        """Rows past num_tokens are padding: they go through the matmuls but not through attention."""
+
+class DecoderLayer:
+    """x + attention(norm(x)), then x + mlp(norm(x)) (Llama, Qwen, Mistral, Phi-3, SmolLM3, the MoE families)."""
+
+    def __init__(self, cfg: ModelConfig, src: WeightSource, i: int, tp: TPGroup, ops: ModuleType | None,
+                 layout: Layout, rotary: Rotary | None, **to):
+        p, eps = f"model.layers.{i}", cfg.rms_norm_eps
+        self.self_attn = SelfAttention(cfg, src, f"{p}.self_attn", i, tp, ops, layout, rotary, **to)
+        self.mlp = feed_forward(cfg, src, i, tp, ops, layout, **to)
+        self.input_norm = norm(src, f"{p}.input_layernorm", eps, cfg.norm_offset, ops, **to)
+        self.post_norm = norm(src, f"{p}.post_attention_layernorm", eps, cfg.norm_offset, ops, **to)
+        self.sliding_window = self.self_attn.sliding_window
+
+    def __call__(self, x, positions, num_tokens: int, cache, meta, attention: Attention) -> torch.Tensor:
         h = self.input_norm(x)
-        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        q, k, v = self.qkv(h).split([q_size, kv_size, kv_size], dim=-1)
-        q, k = rotary.apply(q.view(-1, self.heads, self.head_dim), k.view(-1, self.kv_heads, self.head_dim), positions)
-        v = v.view(-1, self.kv_heads, self.head_dim)
-        o = attention(q[:num_tokens], k[:num_tokens], v[:num_tokens], cache, meta, self.scale)
-        if num_tokens < x.shape[0]:
-            o = F.pad(o, (0, 0, 0, x.shape[0] - num_tokens))
-        x, h = self.post_norm.add(x, self.o_proj(o))
-        return x + self.down(silu_and_mul(self.gate_up(h), self.ops))
+        x, h = self.post_norm.add(x, self.self_attn(h, positions, num_tokens, cache, meta, attention))
+        return x + self.mlp(h)
 
 
 class LlamaModel:
     """Forward over flattened tokens; `logits` gives full-vocabulary logits on rank 0."""
 
     def __init__(self, cfg: ModelConfig, src: WeightSource, tp: TPGroup, max_positions: int, dtype, device,
-                 ops: ModuleType | None = None):
+                 ops: ModuleType | None = None, layer_type: type = DecoderLayer, layout: Layout = LLAMA):
         """ops: the CPU extension, whose fused kernels then do the norms, rotary and silu * up."""
         to = {"dtype": dtype, "device": device}
         self.cfg, self.tp = cfg, tp
         self.embed = VocabParallelEmbedding(src, "model.embed_tokens.weight", cfg.vocab_size, tp, **to)
-        self.layers = [DecoderLayer(cfg, src, i, tp, ops, **to) for i in range(cfg.num_hidden_layers)]
-        self.norm = RMSNorm(src.read("model.norm.weight").to(**to), cfg.rms_norm_eps, ops)
+        self.embed_scale = None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale, **to)
+        ropes = rotary_tables(cfg, max_positions, device, ops)
+        self.layers = [layer_type(cfg, src, i, tp, ops, layout, ropes[i], **to) for i in range(cfg.num_hidden_layers)]
+        self.norm = norm(src, "model.norm", cfg.rms_norm_eps, cfg.norm_offset, ops, **to)
         head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         if not cfg.tie_word_embeddings and not src.has(head_name):
             head_name = "model.embed_tokens.weight"  # some checkpoints tie without saying so
         self.lm_head = VocabParallelEmbedding(src, head_name, cfg.vocab_size, tp, **to)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device, ops)
 
     @property
     def kv_heads_per_rank(self) -> int:
@@ -81,16 +72,36 @@ class LlamaModel:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         num_tokens: int,
-        caches: list[torch.Tensor],
+        caches: list[KVCache],
         metas: list,
         attention: Attention,
     ) -> torch.Tensor:
         """The first num_tokens of input_ids are the step's tokens, the rest padding; caches[i] and metas[i] (the
         attention backend's metadata) belong to layer i. Returns the final hidden states of the step's tokens."""
         x = self.embed(input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         for layer, cache, meta in zip(self.layers, caches, metas, strict=True):
-            x = layer(x, positions, num_tokens, self.rotary, cache, meta, attention)
+            x = layer(x, positions, num_tokens, cache, meta, attention)
         return self.norm(x[:num_tokens])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.lm_head.logits(hidden)
+        logits = self.lm_head.logits(hidden)
+        cap = self.cfg.final_softcap
+        return logits if logits is None or cap is None else torch.tanh(logits / cap) * cap
+
+
+def rotary_tables(cfg: ModelConfig, max_positions: int, device, ops: ModuleType | None) -> list[Rotary | None]:
+    """Per layer its rotary table, one table per distinct rope (Gemma 3: local and global)."""
+    tables: list[tuple[object, Rotary]] = []
+    out: list[Rotary | None] = []
+    for rope in cfg.layer_ropes:
+        if rope is None:
+            out.append(None)
+            continue
+        found = next((t for r, t in tables if r == rope), None)
+        if found is None:
+            found = Rotary(rope, max_positions, device, ops)
+            tables.append((rope, found))
+        out.append(found)
+    return out

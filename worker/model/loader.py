@@ -1,11 +1,15 @@
 """Load this rank's shard of a model: built-in tiny (None), an HF folder, or a .gguf file."""
 
 from pathlib import Path
+from types import ModuleType
 
 from protocol.model.config import ModelConfig
 from protocol.model.source import read_config, tiny_config
+from worker.model.llama import LlamaModel
+from worker.model.registry import NATIVE
 from worker.model.tiny import random_weights
 from worker.model.weights import WeightSource
+from worker.parallel import TPGroup
 
 
 def load_config_and_weights(model: str | None) -> tuple[dict, WeightSource]:
@@ -29,3 +33,10 @@ def load_model(model: str | None, tp_size: int) -> tuple[ModelConfig, WeightSour
     cfg = ModelConfig.from_dict(raw)
     cfg.check_tp(tp_size)
     return cfg, src
+
+
+def build_native(cfg: ModelConfig, src: WeightSource, tp: TPGroup, max_positions: int, dtype, device,
+                 ops: ModuleType | None) -> LlamaModel:
+    """The native implementation of cfg's architecture."""
+    native = NATIVE[cfg.architecture]
+    return LlamaModel(cfg, src, tp, max_positions, dtype, device, ops, native.layer_type, native.layout)
