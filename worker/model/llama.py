@@ -7,7 +7,6 @@ import torch
 
 from protocol.model.config import ModelConfig
 from worker.attention_backends import Attention
-from worker.kv_quant import KVCache
 from worker.model.attention_block import SelfAttention
 from worker.model.layers import VocabParallelEmbedding, norm
 from worker.model.layout import LLAMA, Layout
@@ -72,7 +71,7 @@ class LlamaModel:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         num_tokens: int,
-        caches: list[KVCache],
+        caches: list[torch.Tensor],
         metas: list,
         attention: Attention,
     ) -> torch.Tensor:
