@@ -67,8 +67,8 @@ def test_http_logprobs_in_openais_completion_and_chat_shapes(start_server):
     lp = done.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
     # greedy: no alternative is likelier than the token taken (tokens that decode alike share one key)
-    assert all(1 <= len(top) <= 2 and max(top.values()) <= p + 1e-6 for top, p in zip(lp.top_logprobs,
-                                                                                        lp.token_logprobs))
+    assert all(1 <= len(top) <= 2 and max(top.values()) <= p + 1e-6
+               for top, p in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
     assert lp.text_offset[0] == 0 and "".join(lp.tokens) == done.choices[0].text
     streamed = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0, logprobs=2,
                                          stream=True)

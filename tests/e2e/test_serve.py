@@ -96,7 +96,7 @@ def test_abort_and_cancellation_free_every_block(start_server):
                 await asyncio.sleep(0.05)
             return first, rest, stats
 
-    first, rest, stats = asyncio.run(scenario())
+    _first, rest, stats = asyncio.run(scenario())
     assert rest[-1].finish_reason == "abort"
     assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
     assert stats.kv_cache_usage == 0.0  # free == N - 1

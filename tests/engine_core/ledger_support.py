@@ -109,11 +109,19 @@ def snapshot(manager: KVCacheManager) -> dict:
 def check_invariants(manager: KVCacheManager, requests: dict | None = None) -> None:
     """Every ledger invariant of docs/architecture.md. `requests`: the live requests by id (for hash checks)."""
     pool = manager.block_pool
-    n = pool.num_gpu_blocks
-    null = pool.null_block
     managers = manager.coordinator.single_type_managers
+    queued = check_null_block_and_free_queue(pool)
+    check_ref_counts(pool, managers, queued)
+    check_hash_map(pool)
+    if requests is not None:
+        check_request_hashes(managers, requests)
+    # Usage formula.
+    assert abs(manager.get_usage() - (1 - pool.get_num_free_blocks() / (pool.num_gpu_blocks - 1))) < 1e-12
 
-    # Block 0 is the null block: never queued, never cached, never counted.
+
+def check_null_block_and_free_queue(pool) -> set[int]:
+    """Block 0 is the null block: never queued, never cached, never counted. The ids in the free queue."""
+    null = pool.null_block
     assert null is pool.blocks[0] and null.is_null
     assert null.block_hash is None
     assert null.prev_free_block is None and null.next_free_block is None
@@ -125,16 +133,19 @@ def check_invariants(manager: KVCacheManager, requests: dict | None = None) -> N
     assert 0 not in queued
     assert len(queue) == pool.get_num_free_blocks()
     assert pool.num_cached_free_blocks == sum(b.block_hash is not None for b in queue)
+    return queued
 
-    # Non-null block: in the free queue iff ref_cnt == 0; free + in use == N - 1.
+
+def check_ref_counts(pool, managers, queued: set[int]) -> None:
+    """A non-null block is in the free queue iff ref_cnt == 0; free + in use == N - 1; ref_cnt == number of live
+    (request, group) block lists holding the block."""
     in_use = 0
     for b in pool.blocks[1:]:
         assert b.ref_cnt >= 0
         assert (b.block_id in queued) == (b.ref_cnt == 0), b
         in_use += b.ref_cnt > 0
-    assert pool.get_num_free_blocks() + in_use == n - 1
+    assert pool.get_num_free_blocks() + in_use == pool.num_gpu_blocks - 1
 
-    # ref_cnt == number of live (request, group) block lists holding the block.
     holders = Counter()
     for m in managers:
         for rid, blocks in m.req_to_blocks.items():
@@ -150,7 +161,9 @@ def check_invariants(manager: KVCacheManager, requests: dict | None = None) -> N
     for b in pool.blocks[1:]:
         assert b.ref_cnt == holders[b.block_id], (b, holders[b.block_id])
 
-    # A block has a hash iff it is registered in the map under that hash + group.
+
+def check_hash_map(pool) -> None:
+    """A block has a hash iff it is registered in the map under that hash + group."""
     registered = {}
     for key, block_ids in hash_map_contents(pool).items():
         assert block_ids, key
@@ -164,18 +177,16 @@ def check_invariants(manager: KVCacheManager, requests: dict | None = None) -> N
     if not pool.enable_caching:
         assert not registered
 
-    # A live request's cached block carries exactly the request's chained hash at that position.
-    if requests is not None:
-        for gid, m in enumerate(managers):
-            for rid, blocks in m.req_to_blocks.items():
-                req = requests[rid]
-                for i, b in enumerate(blocks):
-                    if b.block_hash is not None:
-                        assert i < len(req.block_hashes), (rid, i)
-                        assert b.block_hash == make_block_hash_with_group_id(req.block_hashes[i], gid), (rid, gid, i)
 
-    # Usage formula.
-    assert abs(manager.get_usage() - (1 - pool.get_num_free_blocks() / (n - 1))) < 1e-12
+def check_request_hashes(managers, requests: dict) -> None:
+    """A live request's cached block carries exactly the request's chained hash at that position."""
+    for gid, m in enumerate(managers):
+        for rid, blocks in m.req_to_blocks.items():
+            req = requests[rid]
+            for i, b in enumerate(blocks):
+                if b.block_hash is not None:
+                    assert i < len(req.block_hashes), (rid, i)
+                    assert b.block_hash == make_block_hash_with_group_id(req.block_hashes[i], gid), (rid, gid, i)
 
 
 class EventMirror:
@@ -200,7 +211,7 @@ class EventMirror:
             elif isinstance(ev, AllBlocksCleared):
                 self.keys.clear()
             else:  # pragma: no cover
-                raise AssertionError(f"unknown event {ev!r}")
+                raise TypeError(f"unknown event {ev!r}")
 
     def check(self, pool) -> None:
         expected: Counter = Counter()

@@ -153,9 +153,8 @@ def test_sliding_window_block_tables_match_the_ledger(prefix_caching):
     nulls = []
 
     def check(so):
-        for r in core.scheduler.running:  # also the running requests not scheduled in this step
-            if r.request_id in ex.block_tables:
-                nulls.append(manager.get_block_ids(r.request_id)[1].count(0))
+        nulls.extend(manager.get_block_ids(r.request_id)[1].count(0)  # also the running requests not scheduled
+                     for r in core.scheduler.running if r.request_id in ex.block_tables)
 
     ex.on_execute = check
     shared = prompt_of(77, 64)
@@ -187,7 +186,7 @@ def test_block_stats_equal_a_walk_of_the_ledger_after_every_step(hybrid):
     specs = {"full.0": FullAttentionSpec(16, 1, 8, 2)}
     if hybrid:
         specs["swa.0"] = SlidingWindowSpec(16, 1, 8, 2, 32)
-    core, ex = make_core(num_blocks=40, max_model_len=256, budget=64, kv_cache_specs=specs)
+    core, _ex = make_core(num_blocks=40, max_model_len=256, budget=64, kv_cache_specs=specs)
     manager, pool = core.scheduler.kv_cache_manager, core.scheduler.kv_cache_manager.block_pool
     shared = prompt_of(5, 48)
     for i in range(8):

@@ -13,6 +13,7 @@ vLLM entry -> kvengine behaviour tested here:
 """
 
 import logging
+from typing import ClassVar
 
 import pytest
 
@@ -106,8 +107,8 @@ def test_setting_a_hash_twice_is_refused():
 
 def test_caching_an_already_cached_block_is_refused():
     class Req:
-        block_hashes = [b"a" * 8]
-        all_token_ids = [1, 2, 3, 4]
+        block_hashes: ClassVar[list[bytes]] = [b"a" * 8]
+        all_token_ids: ClassVar[list[int]] = [1, 2, 3, 4]
 
     pool = BlockPool(4, enable_caching=True)
     blocks = pool.get_new_blocks(1)

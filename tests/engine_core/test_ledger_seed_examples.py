@@ -276,5 +276,5 @@ def test_kv_cache_manager_is_importable_without_torch():
     import os
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0
+    assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0
     assert KVCacheManager  # imported above without torch

@@ -427,7 +427,7 @@ def test_prefix_hit_never_covers_the_last_prompt_token(prompt_len, expected_hit)
     owner = make_request("owner", range(64))
     admit(mgr, owner)
     req = make_request("r", range(prompt_len))
-    hits, num_hit = mgr.get_computed_blocks(req)
+    _hits, num_hit = mgr.get_computed_blocks(req)
     assert num_hit == expected_hit < prompt_len
     out, _ = admit(mgr, req)
     assert out is not None and req.num_computed_tokens == prompt_len
@@ -728,7 +728,7 @@ def test_planning_takes_the_minimum_across_ranks():
 
 def test_planning_num_gpu_blocks_override_replaces_the_count():
     page = FullAttentionSpec(16, 2, 64, 2).page_size_bytes
-    kw = dict(max_model_len=16, max_num_batched_tokens=16)
+    kw = {"max_model_len": 16, "max_num_batched_tokens": 16}
     assert get_kv_cache_config(_specs(), [20 * page], num_gpu_blocks_override=50, **kw).num_blocks == 50
     assert get_kv_cache_config(_specs(), [20 * page], num_gpu_blocks_override=5, **kw).num_blocks == 5
     with pytest.raises(KVCacheSizingError, match="estimated maximum model length is 32"):

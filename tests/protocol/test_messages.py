@@ -301,7 +301,7 @@ def test_kv_cache_config_spec_variants_survive():
 
 def test_kv_event_kinds_survive():
     codec = CODECS["kv_events"]
-    batch = dict((s[1], s[2]) for s in SAMPLES)["kv-events-all-kinds"]
+    batch = {s[1]: s[2] for s in SAMPLES}["kv-events-all-kinds"]
     decoded = codec.decode(codec.encode(batch))
     assert [type(e) for e in decoded.events] == [BlockStored] * 3 + [BlockRemoved] * 2 + [AllBlocksCleared]
     assert decoded.events[0].parent_block_hash is None and decoded.events[0].block_hashes == [2**64 - 1, 2]
@@ -314,7 +314,7 @@ def test_kv_event_kinds_survive():
 
 def test_kv_events_are_vllm_shaped():
     """The batch is an array [ts, events, rank]; each event a map tagged "type", defaults left out."""
-    batch = dict((s[1], s[2]) for s in SAMPLES)["kv-events-all-kinds"]
+    batch = {s[1]: s[2] for s in SAMPLES}["kv-events-all-kinds"]
     ts, events, rank = msgspec.msgpack.decode(CODECS["kv_events"].encode(batch))
     assert (ts, rank) == (99.0, 0)
     assert list(events[1]) == ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",

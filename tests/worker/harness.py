@@ -103,7 +103,7 @@ class Driver:
             n = min(self.chunk, len(req.tokens) - req.num_computed)
             need = -(-(req.num_computed + n) // self.block_size)
             added = [[self._new_block() for _ in range(need - len(b))] for b in req.blocks]
-            for b, a in zip(req.blocks, added):
+            for b, a in zip(req.blocks, added, strict=True):
                 b.extend(a)
             counts[req.req_id] = n
             if not req.sent:
@@ -126,7 +126,7 @@ class Driver:
         finished.clear()
         self.step += 1
         out = self.worker.execute_model(so)
-        sampled = dict(zip(out.req_ids, out.sampled_token_ids))
+        sampled = dict(zip(out.req_ids, out.sampled_token_ids, strict=True))
         done = []
         for req in running:
             req.sent = True

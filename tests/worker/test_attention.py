@@ -57,7 +57,7 @@ def test_mixed_batch_matches_contiguous_attention(window, placement):
     meta = build_metadata(table, BS, window, reqs, kv_bytes_per_token=2 * KV_HEADS * HD * 4)
     assert any(s.num_reqs > 1 for s in meta.spans) == (placement == "scattered")
     assert any(s.first_block is not None for s in meta.spans) == (placement == "consecutive")
-    new = [torch.cat([s[i][c:] for s, (c, _) in zip(seqs, plan)]) for i in range(3)]
+    new = [torch.cat([s[i][c:] for s, (c, _) in zip(seqs, plan, strict=True)]) for i in range(3)]
     out = paged_attention(*new, cache, meta, GatherBuffer(64, KV_HEADS, HD, torch.float32, "cpu"), HD**-0.5)
-    expected = torch.cat([reference(*s, window)[c:] for s, (c, _) in zip(seqs, plan)])
+    expected = torch.cat([reference(*s, window)[c:] for s, (c, _) in zip(seqs, plan, strict=True)])
     torch.testing.assert_close(out.view(-1, HEADS, HD), expected)

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from protocol.config import engine_config
+from protocol.model.tokenizer import load_tokenizer
 from tests.worker.harness import Driver, kv_config
 from worker.model.gguf_loader import _unpermute
-from protocol.model.tokenizer import load_tokenizer
 from worker.worker import Worker
 
 pytest.importorskip("gguf")
@@ -20,7 +20,7 @@ def test_unpermute_restores_rotate_half_order():
     # llama.cpp stores, per head, rows (0, h, 1, h+1, ...) of the HF layout (h = half the head size)
     hf = np.arange(2 * 4 * 3).reshape(8, 3)  # 2 heads of size 4, 3 input features
     stored = np.stack(
-        [hf[i] for head in (0, 4) for pair in zip(range(head, head + 2), range(head + 2, head + 4)) for i in pair]
+        [hf[i] for head in (0, 4) for pair in zip(range(head, head + 2), range(head + 2, head + 4), strict=True) for i in pair]
     )
     assert (_unpermute(stored, 2) == hf).all()
 
