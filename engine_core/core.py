@@ -8,6 +8,7 @@ from collections import deque
 from engine_core.async_scheduler import AsyncScheduler
 from engine_core.executor.abstract import Executor
 from engine_core.kv_cache.planning import KVCacheSizingError, capacity_line, get_kv_cache_config
+from engine_core.kv_connector.factory import make_kv_connector
 from engine_core.scheduler import Scheduler
 from protocol import (
     EngineCoreOutput,
@@ -16,6 +17,7 @@ from protocol import (
     EngineInfo,
     KVCacheConfig,
     KVCacheEvent,
+    KVSchedulerOutput,
     SchedulerOutput,
     SchedulerStats,
     WorkerKVReport,
@@ -77,7 +79,8 @@ class EngineCore:
         executor.initialize_kv_cache(self.kv_cache_config)
         scheduler_cls = AsyncScheduler if config.scheduler.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(self.config, self.kv_cache_config, self.max_model_len,
-                                       reports[0].eos_token_ids, reports[0].vocab_size)
+                                       reports[0].eos_token_ids, reports[0].vocab_size,
+                                       make_kv_connector(config, self.kv_cache_config, reports[0].kv_fingerprint))
         self._pending: list[EngineCoreOutput] = []  # rejections and aborts, sent with the next step
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight: deque[SchedulerOutput] = deque()  # async scheduling: sent, output not applied yet
@@ -126,8 +129,11 @@ class EngineCore:
         return self.scheduler.update_from_output(so, self.executor.collect(so))
 
     def take_kv_events(self) -> list[KVCacheEvent]:
-        """Ledger events since the last call (empty unless enable_kv_cache_events)."""
-        return self.scheduler.kv_cache_manager.take_events()
+        """Ledger events since the last call, then the second tier's (empty unless enable_kv_cache_events)."""
+        events = self.scheduler.kv_cache_manager.take_events()
+        if self.scheduler.kv_connector is not None:
+            events += self.scheduler.kv_connector.take_events()
+        return events
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix (an AllBlocksCleared event); refused (False, logged) while blocks are in use."""
@@ -145,5 +151,6 @@ class EngineCore:
 
 
 def _tells_workers(so: SchedulerOutput) -> bool:
-    """Tokens to compute, or requests the workers must drop: a step worth sending."""
-    return bool(so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids)
+    """Tokens to compute, requests the workers must drop, or second-tier transfers: a step worth sending."""
+    return bool(so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids
+                or isinstance(so, KVSchedulerOutput))

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # holds its blocks while the second tier loads them
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this point is finished.

@@ -15,20 +15,25 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import msgspec
+
 from engine_core.kv_cache.hashing import get_hash_fn, get_request_block_hasher
 from engine_core.kv_cache.manager import KVCacheBlocks, KVCacheManager
-from engine_core.kv_cache.planning import blocks_per_request
+from engine_core.kv_connector.base import KVConnectorScheduler
+from engine_core.kv_connector.loading import TierLoads
 from engine_core.prompt_logprobs import attach_prompt_logprobs
 from engine_core.request import FINISH_REASON, Request, RequestStatus
+from engine_core.request_checks import request_error
 from engine_core.request_queue import make_request_queue
 from engine_core.sampled_tokens import sampled_rows
-from engine_core.sampling_checks import sampling_error
 from engine_core.scheduler_stats import make_scheduler_stats
 from protocol import (
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreRequest,
     KVCacheConfig,
+    KVModelRunnerOutput,
+    KVSchedulerOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -60,6 +65,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         vocab_size: int | None = None,
+        kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
         self.config = config.scheduler
         self.max_model_len = max_model_len
@@ -89,6 +95,8 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_usable_blocks = kv_cache_config.num_blocks - 1
+        self.kv_connector = kv_connector  # a second KV tier (engine_core/kv_connector/), or None
+        self.tier_loads = None if kv_connector is None else TierLoads(kv_connector, self.kv_cache_manager, self.waiting)
         if config.scheduler.async_scheduling != self.async_scheduling:  # EngineCore picks the class by it
             raise ValueError(f"{type(self).__name__} cannot run with async_scheduling={self.async_scheduling}")
 
@@ -97,7 +105,7 @@ class Scheduler:
     def add_request(self, req: EngineCoreRequest) -> EngineCoreOutput | None:
         """Queue a request, or return its error output if it can never run (the caller logs it: a server
         limits such warnings per client)."""
-        error = self._validate(req)
+        error = request_error(self, req)
         if error is not None:
             return EngineCoreOutput(req.request_id, [], finish_reason="error", error=error)
         request = Request(
@@ -113,38 +121,18 @@ class Scheduler:
         self.waiting.add(request)
         return None
 
-    def _validate(self, req: EngineCoreRequest) -> str | None:
-        if req.request_id in self.requests:
-            return f"request id {req.request_id!r} is already in use"
-        num_prompt = len(req.prompt_token_ids)
-        if num_prompt == 0:
-            return "the prompt is empty"
-        if num_prompt > self.max_model_len:
-            return f"the prompt has {num_prompt} tokens, more than max_model_len={self.max_model_len}"
-        if self.vocab_size is not None and not (min(req.prompt_token_ids) >= 0 and max(req.prompt_token_ids) < self.vocab_size):
-            return f"the prompt has token ids outside the vocabulary [0, {self.vocab_size})"
-        if (error := sampling_error(req.sampling_params, self.vocab_size)) is not None:
-            return error
-        full_len = min(num_prompt + req.sampling_params.max_tokens, self.max_model_len)
-        needed = blocks_per_request(self.kv_cache_config.kv_cache_groups, full_len, self.config.max_num_batched_tokens)
-        if needed > self.num_usable_blocks:
-            return (
-                f"the request needs {needed} KV blocks for {full_len} tokens, more than the whole cache "
-                f"({self.num_usable_blocks} blocks); lower max_tokens or the prompt length"
-            )
-        return None
-
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         outputs = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
-            if request is None:
+            if request is None or request.is_finished:  # finished: aborted while loading, freed once loaded
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            else:
+            elif self.tier_loads is None or not self.tier_loads.abort(request):  # a loading one is freed once loaded
                 self.waiting.remove(request)
-            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            if request.status != RequestStatus.FINISHED_ABORTED:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
             outputs.append(EngineCoreOutput(request_id, [], "abort", max(request.num_cached_tokens, 0)))
         return outputs
 
@@ -156,13 +144,16 @@ class Scheduler:
 
     def has_requests(self) -> bool:
         """Unfinished requests, or finished ids the workers have not been told about yet."""
-        return bool(self.requests) or bool(self.finished_req_ids)
+        connector = self.kv_connector
+        return bool(self.requests) or bool(self.finished_req_ids) or (connector is not None and connector.has_pending())
 
     # ---- one step --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step's tokens. Nothing scheduled is a valid answer."""
         state = _ScheduleState(self.config.max_num_batched_tokens)
+        if self.kv_connector is not None:
+            self.kv_connector.begin_schedule()
         threshold = self._long_prefill_threshold()
         self._schedule_running(state, threshold)
         if not state.preempted_reqs:  # new admissions only when nobody had to make room this step
@@ -223,7 +214,9 @@ class Scheduler:
         manager, waiting = self.kv_cache_manager, self.waiting
         while len(waiting) and state.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = waiting.peek()
-            hits, num_hit_tokens = manager.get_computed_blocks(request)
+            if (found := self._find_computed(request)) is None:
+                continue  # it went to load from a second tier first
+            hits, num_hit_tokens = found
             num_new_tokens = request.num_tokens - num_hit_tokens
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
@@ -233,7 +226,7 @@ class Scheduler:
             blocks = manager.allocate_slots(
                 request,
                 num_new_tokens,
-                num_hit_tokens,
+                0 if hits is None else num_hit_tokens,  # None: back from a load, its tokens computed already
                 hits,
                 full_sequence_must_fit=True,
                 has_scheduled_reqs=bool(self.running),
@@ -250,6 +243,12 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
             state.num_scheduled_tokens[request.request_id] = num_new_tokens
             state.token_budget -= num_new_tokens
+
+    def _find_computed(self, request: Request) -> tuple[KVCacheBlocks | None, int] | None:
+        """The memory prefix hit; None if the request went to load from a second tier instead (tier_loads)."""
+        if self.tier_loads is None:
+            return self.kv_cache_manager.get_computed_blocks(request)
+        return self.tier_loads.find_computed(request, bool(self.running))
 
     def _long_prefill_threshold(self) -> int:
         """The threshold keeps a long prompt from starving the others of the budget: with no other request
@@ -298,10 +297,11 @@ class Scheduler:
             digests = {rid: block_ids_digest(manager.get_block_ids(rid)) for rid in num_scheduled_tokens}
         total = sum(num_scheduled_tokens.values())
         finished: list[str] = []
-        if total or self.finished_req_ids or preempted:  # workers must hear of these even in a step with no tokens
+        meta = None if self.kv_connector is None else self.kv_connector.build_connector_meta()
+        if total or self.finished_req_ids or preempted or meta:  # workers must hear of these even with no tokens
             self.step += 1
             finished, self.finished_req_ids = sorted(self.finished_req_ids), set()
-        return SchedulerOutput(
+        so = SchedulerOutput(
             step=self.step,
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -311,6 +311,7 @@ class Scheduler:
             preempted_req_ids=[r.request_id for r in preempted],
             block_table_digests=digests,
         )
+        return so if meta is None else KVSchedulerOutput(**msgspec.structs.asdict(so), kv_connector_metadata=meta)
 
     def _make_cached_request_data(self, state: _ScheduleState) -> CachedRequestData:
         """Running requests: the block ids appended this step (None if none) and the tokens computed before it."""
@@ -338,6 +339,9 @@ class Scheduler:
         num_generated = 0
         num_finished = 0
         step = scheduler_output.step
+        if self.tier_loads is not None and isinstance(model_runner_output, KVModelRunnerOutput):
+            for aborted in self.tier_loads.update(model_runner_output.kv_connector_output):
+                self._finish(aborted, aborted.status)
         for req_id, token_ids, token_logprobs in sampled_rows(scheduler_output, model_runner_output):
             request = requests.get(req_id)
             if request is None or not token_ids or request.admitted_step > step:

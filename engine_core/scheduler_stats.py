@@ -22,9 +22,10 @@ def make_scheduler_stats(scheduler: "Scheduler") -> SchedulerStats:
         for _ in range(manager.num_kv_cache_groups)
         if r.num_computed_tokens % scheduler.block_size
     ]
+    loading = scheduler.tier_loads
     return SchedulerStats(
         num_running_reqs=len(scheduler.running),
-        num_waiting_reqs=len(scheduler.waiting),
+        num_waiting_reqs=len(scheduler.waiting) + (0 if loading is None else len(loading.requests)),
         kv_cache_usage=manager.get_usage(),
         num_free_blocks=pool.get_num_free_blocks(),
         num_blocks_held=held,

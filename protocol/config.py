@@ -62,6 +62,17 @@ class CacheConfig(_Area, frozen=True):
     enable_prefix_caching: Annotated[bool, setting("reuse KV blocks of identical prefixes")] = True
     prefix_caching_hash_algo: Annotated[Literal["sha256", "xxhash"], setting(
         "block hash: sha256 (cryptographic: cached prefixes are tenant data) or xxhash (faster)")] = "sha256"
+    kv_disk_path: Annotated[str | None, setting(
+        "a second KV tier on local disk in this folder: every computed full block is written there in the background "
+        "(under a fingerprint of the model, dtype, block size and KV layout), and a prefix that misses memory but "
+        "is on disk is loaded instead of computed; found again after a restart, shared by the engine cores of one "
+        "host (-dp). Needs prefix caching, tensor parallel size 1 and full-attention models (default: off)")] = None
+    kv_disk_bytes: Annotated[ByteCount | None, setting(
+        "the disk tier's size bound (4GiB, 4GB or a byte count); past it the least recently used blocks are "
+        "deleted. Default: nine tenths of the free space of its file system at start-up", parse="bytes")] = None
+    kv_disk_eviction: Annotated[Literal["lru", "fifo"], setting(
+        "which disk blocks go first when the tier is full: lru (least recently loaded or saved) or fifo (oldest "
+        "save)")] = "lru"
 
 
 class SchedulerConfig(_Area, frozen=True):
@@ -81,6 +92,10 @@ class SchedulerConfig(_Area, frozen=True):
         "share of blocks kept free when admitting a request while others run")] = 0.0
     check_block_tables: Annotated[bool, setting(
         "every step carries a digest of each scheduled request's blocks; workers verify their tables")] = False
+    preemption_mode: Annotated[Literal["recompute", "swap"], setting(
+        "what a preempted request keeps: recompute (as vLLM v1: on resumption it computes again what memory no longer "
+        "holds) or swap (its full blocks go to the disk tier and are loaded back on resumption; needs --kv-disk-path)")
+    ] = "recompute"
     async_scheduling: Annotated[bool, setting(
         "schedule step N+1 while the workers run step N (vLLM's async scheduling): the engine core's work hides "
         "behind the forward; a request that stops is computed one step more, and that token is dropped")] = False
@@ -175,6 +190,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             raise ValueError(f"tensor_parallel_size {tp} does not split evenly over nnodes {parallel.nnodes}")
         if parallel.node_rank >= parallel.nnodes:
             raise ValueError(f"node_rank {parallel.node_rank} is outside nnodes {parallel.nnodes}")
+        _check_kv_tier(self)
         if parallel.headless != (parallel.node_rank > 0):
             raise ValueError("a host with node_rank >= 1 runs --headless (workers only); the head (node_rank 0) "
                              "runs the engine core")
@@ -186,6 +202,21 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     @property
     def enable_kv_cache_events(self) -> bool:
         return self.server.kv_events_endpoint is not None
+
+
+def _check_kv_tier(config: EngineConfig) -> None:
+    """The disk tier's needs, each refused by the flag that asks for it."""
+    cache = config.cache
+    if config.scheduler.preemption_mode == "swap" and cache.kv_disk_path is None:
+        raise ValueError("preemption_mode swap puts preempted requests' blocks in the disk tier: give kv_disk_path")
+    if cache.kv_disk_path is None:
+        if cache.kv_disk_bytes is not None:
+            raise ValueError("kv_disk_bytes bounds the disk tier: give kv_disk_path too")
+        return
+    if not cache.enable_prefix_caching:
+        raise ValueError("kv_disk_path finds blocks by their prefix-cache hashes: it needs enable_prefix_caching")
+    if config.parallel.tensor_parallel_size > 1:
+        raise ValueError("kv_disk_path: the disk tier runs with tensor_parallel_size 1 only")
 
 
 def engine_config(**settings: object) -> EngineConfig:

@@ -11,7 +11,9 @@ What kvengine puts in them:
                 what vLLM sends by default; its schema also allows the raw digest bytes
   group_idx     the ledger's KV cache group id, in vLLM's field for it
   kv_cache_spec_kind, kv_cache_spec_sliding_window  the group's "full_attention", or "sliding_window" and its window
-  medium        always MEDIUM_GPU: vLLM's name for the engine's own KV cache, also when kvengine runs on CPU
+  medium        MEDIUM_GPU for the engine's own KV cache (vLLM's name for it, also when kvengine runs on CPU);
+                MEDIUM_DISK for the disk tier (--kv-disk-path): stored once a block is written there, removed
+                when the tier drops it
   lora_id, lora_name  None: kvengine has no LoRA
   extra_keys    per stored block, the extra keys hashed into it: (cache_salt,) on a request's first block
 
@@ -29,6 +31,7 @@ import msgspec
 TOPIC = b"kv-events"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # marks the end of a replay
 MEDIUM_GPU = "GPU"
+MEDIUM_DISK = "DISK"
 
 # vLLM's ExternalBlockHash: kvengine always sends the int form.
 ExternalBlockHash = bytes | int

@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from protocol.kv_cache_spec import KVCacheConfig, KVCacheSpec
+from protocol.kv_transfer import KVConnectorMetadata, KVConnectorOutput
 from protocol.sampling import SamplingParams
 
 _struct = {"array_like": True, "omit_defaults": True}
@@ -163,6 +164,13 @@ class SchedulerOutput(msgspec.Struct, tag=True, **_struct):
     block_table_digests: dict[str, bytes] | None = None
 
 
+class KVSchedulerOutput(SchedulerOutput, tag=True, **_struct):
+    """A step with second-tier transfers (--kv-disk-path). A subclass, not a field appended to SchedulerOutput:
+    msgspec writes every field of an array-like struct, so a new field would change every step's bytes."""
+
+    kv_connector_metadata: KVConnectorMetadata = msgspec.field(default_factory=KVConnectorMetadata)
+
+
 class InitKVCache(msgspec.Struct, tag=True, **_struct):
     """Start-up: the final KV cache config (minimum block count across ranks)."""
 
@@ -181,7 +189,7 @@ class EngineHeartbeat(msgspec.Struct, tag=True, **_struct):
     """Several hosts: the engine core is alive (sent to each headless host's process, answering its NodeHeartbeat)."""
 
 
-EngineToWorker = SchedulerOutput | InitKVCache | Shutdown | EngineHeartbeat
+EngineToWorker = SchedulerOutput | KVSchedulerOutput | InitKVCache | Shutdown | EngineHeartbeat
 
 # ---- workers -> engine core -----------------------------------------------------------------
 
@@ -197,6 +205,7 @@ class WorkerKVReport(msgspec.Struct, tag=True, **_struct):
     vocab_size: int
     memory_detail: str = ""  # the terms of the budget, for the start-up log
     host: str = ""  # several hosts: the rank's host, for the start-up log
+    kv_fingerprint: str = ""  # model, dtype, block size and KV layout: the disk tier keeps blocks under it
 
 
 class WorkerReady(msgspec.Struct, tag=True, **_struct):
@@ -213,6 +222,12 @@ class ModelRunnerOutput(msgspec.Struct, tag=True, **_struct):
     prompt_logprobs: list[list[TokenLogprobs] | None] | None = None
 
 
+class KVModelRunnerOutput(ModelRunnerOutput, tag=True, **_struct):
+    """A step's output with second-tier transfers that finished (a subclass: see KVSchedulerOutput)."""
+
+    kv_connector_output: KVConnectorOutput = msgspec.field(default_factory=KVConnectorOutput)
+
+
 class WorkerError(msgspec.Struct, tag=True, **_struct):
     rank: int
     message: str
@@ -227,5 +242,5 @@ class NodeHeartbeat(msgspec.Struct, tag=True, **_struct):
     nnodes: int
 
 
-WorkerToEngine = WorkerKVReport | WorkerReady | ModelRunnerOutput | WorkerError | NodeHeartbeat
+WorkerToEngine = WorkerKVReport | WorkerReady | ModelRunnerOutput | KVModelRunnerOutput | WorkerError | NodeHeartbeat
 

@@ -24,6 +24,9 @@ from protocol.sizes import cdiv
 from worker import memory
 from worker.attention_backends import resolve_backend
 from worker.cuda_graphs import cuda_graph_sizes
+from worker.kv_connector.disk import DiskConnectorWorker
+from worker.kv_connector.factory import make_kv_connector_worker
+from worker.kv_connector.fingerprint import kv_fingerprint
 from worker.model.loader import build_native, load_model
 from worker.model_runner import ModelRunner
 from worker.ops.cpu_attention import cpu_has_bf16, load_extension
@@ -83,6 +86,8 @@ class Worker:
         self.runner = ModelRunner(self.model, max_num_seqs, self.max_model_len, config.scheduler.check_block_tables,
                                   backend, self.max_num_batched_tokens, graph_sizes)
         log.info("rank %d: %s, attention backend %s", rank, str(self.dtype).removeprefix("torch."), backend)
+        self.kv_fingerprint = ""  # the disk tier's folder (--kv-disk-path): set by report_kv
+        self.kv_connector: DiskConnectorWorker | None = None  # the disk tier's data side: made by init_kv_cache
 
     def _allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
@@ -108,6 +113,8 @@ class Worker:
         budget = self._budget(groups, block_bytes)
         check_fits_one_block(budget.available_bytes, block_bytes, budget.detail)
         log.info("rank %d KV cache budget: %s", self.rank, budget.detail)
+        if self.config.cache.kv_disk_path is not None:
+            self.kv_fingerprint = kv_fingerprint(self.config, self.model.cfg, self.dtype, self.rank, specs)
         return WorkerKVReport(
             rank=self.rank,
             available_kv_bytes=budget.available_bytes,
@@ -116,6 +123,7 @@ class Worker:
             max_position_embeddings=self.model.cfg.max_position_embeddings,
             vocab_size=self.model.cfg.vocab_size,
             memory_detail=budget.detail,
+            kv_fingerprint=self.kv_fingerprint,
         )
 
     def _budget(self, groups: list[KVCacheGroupSpec], block_bytes: int) -> memory.KVBudget:
@@ -143,13 +151,18 @@ class Worker:
 
     def init_kv_cache(self, cfg: KVCacheConfig) -> WorkerReady:
         self.runner.init_kv_cache(cfg, self.dtype, self.device)
+        self.kv_connector = make_kv_connector_worker(self.config, self.kv_fingerprint, self.runner.kv.kv_tensors)
         return WorkerReady(rank=self.rank, num_blocks=cfg.num_blocks)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.kv_connector is not None:
+            return self.kv_connector.execute(scheduler_output, self.runner.execute_model)
         return self.runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()  # every save sent reaches the disk
         self.tp.shutdown()
 
 

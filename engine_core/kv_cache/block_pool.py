@@ -1,7 +1,7 @@
 """The block pool: every KV block, the free queue, the prefix-cache hash map and KV events."""
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from engine_core.kv_cache.block import (
@@ -94,6 +94,8 @@ class BlockPool:
         # Per group id; a pool built without specs sends no spec kind.
         self.group_spec_kinds = dict(enumerate(map(kv_cache_spec_kind, kv_cache_specs)))
         self.num_cached_free_blocks = 0  # free blocks that still hold a cached prefix (for stats)
+        # A second KV tier's hook (KVConnectorScheduler.on_blocks_cached): told of every block registered here.
+        self.on_blocks_cached: Callable[[Request, list[KVCacheBlock], int, int, int], None] | None = None
 
     def get_cached_block(self, block_hash: BlockHash, kv_cache_group_ids: list[int]) -> list[KVCacheBlock] | None:
         """The cached block for this hash in every group given, or None if any group misses."""
@@ -125,6 +127,8 @@ class BlockPool:
             block.block_hash = key
             self.cached_block_hash_to_block.insert(key, block)
             stored.append(block_hash)
+        if self.on_blocks_cached is not None and stored:
+            self.on_blocks_cached(request, blocks, num_cached_blocks, num_full_blocks, kv_cache_group_id)
         if self.enable_kv_cache_events and stored:
             first = num_full_blocks - len(stored)
             kind, window = self.group_spec_kinds.get(kv_cache_group_id, (None, None))

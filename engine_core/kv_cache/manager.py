@@ -102,9 +102,11 @@ class KVCacheManager:
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
         has_scheduled_reqs: bool = False,
+        delay_cache_blocks: bool = False,
     ) -> KVCacheBlocks | None:
         """Blocks for num_new_tokens more tokens (the spans: the class docstring). Counts first: on None nothing
-        has changed. Returns only the blocks new to this call (for a new request, get_blocks() has all of them)."""
+        has changed. Returns only the blocks new to this call (for a new request, get_blocks() has all of them).
+        delay_cache_blocks: register no new block yet (a second tier loads them; registered once loaded)."""
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError(f"allocate_slots for {request.request_id} with no new and no computed tokens")
         if new_computed_blocks is None and self._fits_in_held_blocks(request, num_new_tokens, num_lookahead_tokens):
@@ -132,7 +134,8 @@ class KVCacheManager:
             self.coordinator.save_new_computed_blocks(request.request_id, hits)
         new_blocks = self.coordinator.allocate_new_blocks(request.request_id, num_tokens_need_slot)
         if self.enable_caching:  # lookahead slots hold no real tokens yet
-            self.coordinator.cache_blocks(request, min(num_computed_tokens + num_new_tokens, request.num_tokens))
+            if not delay_cache_blocks:
+                self.coordinator.cache_blocks(request, min(num_computed_tokens + num_new_tokens, request.num_tokens))
             if new_computed_blocks is not None:  # an admission: count its lookup once, not per retry
                 stats = self.prefix_cache_stats
                 stats.requests += 1
@@ -186,6 +189,9 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         self.coordinator.free(request.request_id)
+
+    def holds_blocks(self, request_id: str) -> bool:
+        return any(self.coordinator.get_blocks(request_id))
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         return KVCacheBlocks(self.coordinator.get_blocks(request_id))

@@ -2,8 +2,9 @@
 
 Its two sub-packages are the ground floor every process shares beyond the wire: protocol/process/ (what
 every process does alike at spawn: worker configs, CPU binding, signals, open files, host labels) and
-protocol/model/ (what a model is: config.json and GGUF metadata readers, tokenizer loading). Neither
-imports torch, so the engine core, the API server and the DP router can read them.
+protocol/model/ (what a model is: config.json and GGUF metadata readers, tokenizer loading); protocol/kv_store/
+is the disk tier's layout and index, which the engine core reads and the workers write. None imports torch, so
+the engine core, the API server and the DP router can read them.
 """
 
 import ast
@@ -28,6 +29,7 @@ def _imports(path):
 SUBPACKAGE_ALLOWED = {
     "process": ALLOWED | {"contextlib", "fcntl", "logging", "os", "re", "resource", "signal", "socket", "struct"},
     "model": ALLOWED | {"json", "pathlib", "tokenizers", "gguf"},
+    "kv_store": ALLOWED | {"collections", "contextlib", "os", "sqlite3", "struct", "zlib"},
 }
 
 

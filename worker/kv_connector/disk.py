@@ -1,0 +1,166 @@
+"""DiskConnectorWorker: the worker's side of the local disk tier (--kv-disk-path).
+
+One I/O thread runs the transfers in the order the engine core sent them, so a load queued after a save reads
+what the save wrote. A save's data is copied out of the KV cache before the step's forward (the block may be
+reused by it) and written in the background; a load reads and checks each file in the background and writes
+the blocks, which no step touches until the engine core hears the load finished. A missing, truncated or
+corrupt file stops its request's load there (the rest is computed) with a warning, and leaves the tier; a full
+disk fails that save with a warning. Whatever happens, every transfer is reported, so nothing waits forever.
+At start the index is rebuilt from the files; at shutdown the queue is drained, so every save sent is on disk.
+"""
+
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+import torch
+
+from protocol import KVModelRunnerOutput, KVSchedulerOutput, ModelRunnerOutput, SchedulerOutput
+from protocol.kv_store.index import BlockIndex
+from protocol.kv_store.layout import BlockFileError, DiskLayout
+from protocol.kv_transfer import KVConnectorMetadata, KVConnectorOutput, KVLoad
+from worker.kv_connector.blocks import block_nbytes, cache_parts, copy_in, copy_out
+
+log = logging.getLogger(__name__)
+MAX_STAGED_BYTES = 256 << 20  # saves copied out and not yet written; past it a step waits for the disk
+IDLE_WAIT = 0.005  # seconds a step with no tokens waits for a transfer to finish before answering
+
+
+class DiskConnectorWorker:
+    def __init__(self, layout: DiskLayout, budget: int | None, eviction: str, kv_caches: list) -> None:
+        self.layout = layout
+        self.parts = cache_parts(kv_caches)
+        self.block_bytes = block_nbytes(self.parts)
+        os.makedirs(layout.dir, exist_ok=True)
+        self.index = BlockIndex(layout.index_path, eviction)
+        self.index.reconcile(layout.scan())
+        self.budget = budget if budget is not None else int(
+            0.9 * (shutil.disk_usage(layout.dir).free + self.index.total_bytes()))
+        self._done = KVConnectorOutput()
+        for key in self.index.evict(self.budget):
+            layout.remove_block(key)
+        log.info("KV disk tier %s: %d blocks, %.1f of %.1f GiB", layout.dir, len(self.index),
+                 self.index.total_bytes() / 2**30, self.budget / 2**30)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._pending = 0  # transfers queued and not finished
+        self._staged = 0  # bytes of queued saves
+        self._thread = threading.Thread(target=self._run, name="kv-disk-io", daemon=True)
+        self._thread.start()
+
+    def execute(self, so: SchedulerOutput, run: Callable[[SchedulerOutput], ModelRunnerOutput]) -> ModelRunnerOutput:
+        """Start the step's transfers, run the step, and add the transfers that finished to its output."""
+        if isinstance(so, KVSchedulerOutput):
+            self.start(so.kv_connector_metadata)
+        output = run(so)
+        done = self.take_finished(wait=not so.total_num_scheduled_tokens)
+        if done is None:
+            return output
+        return KVModelRunnerOutput(**msgspec.structs.asdict(output), kv_connector_output=done)
+
+    def start(self, meta: KVConnectorMetadata) -> None:
+        for block_id, key in zip(meta.save_block_ids, meta.save_keys, strict=True):
+            data = copy_out(self.parts, block_id)
+            with self._cond:
+                while self._staged > MAX_STAGED_BYTES:
+                    self._cond.wait()
+                self._staged += data.numel()
+                self._pending += 1
+            self._queue.put((key, data))
+        for load in meta.loads:
+            with self._cond:
+                self._pending += 1
+            self._queue.put(load)
+
+    def take_finished(self, wait: bool = False) -> KVConnectorOutput | None:
+        """What finished since the last call (None: nothing). wait: give a pending transfer IDLE_WAIT to finish."""
+        with self._cond:
+            if wait and self._pending and not self._has_done():
+                self._cond.wait(IDLE_WAIT)
+            if not self._has_done():
+                return None
+            done, self._done = self._done, KVConnectorOutput()
+        return done
+
+    def _has_done(self) -> bool:
+        d = self._done
+        return bool(d.finished_loads or d.saved_keys or d.failed_save_keys or d.removed_keys)
+
+    @torch.inference_mode()
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                if isinstance(item, KVLoad):
+                    self._load(item)
+                else:
+                    self._save(*item)
+            except Exception:  # the thread must go on: the transfer is reported as failed
+                log.exception("KV disk tier: a transfer failed")
+                self._report_failure(item)
+            with self._cond:
+                self._pending -= 1
+                if not isinstance(item, KVLoad):
+                    self._staged -= item[1].numel()
+                self._cond.notify_all()
+
+    def _report_failure(self, item: object) -> None:
+        with self._cond:
+            if isinstance(item, KVLoad):
+                if item.req_id not in self._done.finished_loads:
+                    self._done.finished_loads.append(item.req_id)
+                    self._done.num_loaded_blocks.append(0)
+            else:
+                self._done.failed_save_keys.append(item[0])  # type: ignore[index]
+
+    def _save(self, key: bytes, data: torch.Tensor) -> None:
+        try:
+            size = self.layout.write_block(key, data.numpy().data)
+        except OSError as e:
+            log.warning("KV disk tier: cannot write a block (%s); it stays in memory only", e)
+            with self._cond:
+                self._done.failed_save_keys.append(key)
+            return
+        self.index.add([(key, size)], time.time())
+        removed = self.index.evict(self.budget)
+        for old in removed:
+            self.layout.remove_block(old)
+        with self._cond:
+            self._done.saved_keys.append(key)
+            self._done.save_bytes += size
+            self._done.removed_keys += removed
+
+    def _load(self, load: KVLoad) -> None:
+        num_ok, nbytes, bad = 0, 0, None
+        for block_id, key in zip(load.block_ids, load.keys, strict=True):
+            try:
+                payload = self.layout.read_block(key, self.block_bytes)
+            except BlockFileError as e:
+                log.warning("KV disk tier: %s; request %s computes its prefix from there", e, load.req_id)
+                bad = key
+                break
+            copy_in(self.parts, block_id, payload)
+            num_ok += 1
+            nbytes += payload.nbytes
+        if bad is not None:
+            self.index.remove([bad])
+            self.layout.remove_block(bad)
+        self.index.touch(load.keys[:num_ok], time.time())
+        with self._cond:
+            d = self._done
+            d.finished_loads.append(load.req_id)
+            d.num_loaded_blocks.append(num_ok)
+            d.load_bytes += nbytes
+            if bad is not None:
+                d.num_failed_blocks += 1
+                d.removed_keys.append(bad)
+
+    def shutdown(self) -> None:
+        """Finish every transfer sent (each save sent is then on disk)."""
+        self._queue.put(None)
+        self._thread.join()
+        self.index.close()

@@ -1,0 +1,13 @@
+"""The workers' side of the second KV tier the settings ask for, or None."""
+
+from protocol.config import EngineConfig
+from protocol.kv_store.layout import DiskLayout
+from worker.kv_connector.disk import DiskConnectorWorker
+
+
+def make_kv_connector_worker(config: EngineConfig, kv_fingerprint: str, kv_caches: list) -> DiskConnectorWorker | None:
+    cache = config.cache
+    if cache.kv_disk_path is None:
+        return None
+    return DiskConnectorWorker(DiskLayout(cache.kv_disk_path, kv_fingerprint), cache.kv_disk_bytes,
+                               cache.kv_disk_eviction, kv_caches)
