@@ -6,12 +6,14 @@ struct as JSON. Ranges are checked when an `EngineConfig` is built or decoded, s
 at start-up with the field's path, wherever it came from.
 """
 
+import os
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
 DEFAULT_BLOCK_SIZE = 16
+API_KEY_ENV, ADMIN_API_KEY_ENV = "KVENGINE_API_KEY", "KVENGINE_ADMIN_API_KEY"  # as vLLM's VLLM_API_KEY
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 Port = Annotated[int, Meta(ge=0, le=65535)]
@@ -160,11 +162,55 @@ class ServerConfig(_Area, frozen=True):
         "most requests in flight over all clients; more get an error output 'server overloaded'")] = 4096
     max_client_requests: Annotated[PositiveInt, setting(
         "most requests in flight from one client connection; more get an error output 'server overloaded'")] = 1024
+    api_key: Annotated[str | None, setting(
+        "HTTP API: every route but /health and /version needs `Authorization: Bearer KEY`; several keys separated "
+        "by commas, each key a user of its own. Default: the environment variable KVENGINE_API_KEY (which keeps "
+        "the key out of the process list), else no key: every route is open")] = None
+    admin_api_key: Annotated[str | None, setting(
+        "HTTP API: the key of /reset_prefix_cache, which an --api-key does not open (with an --api-key and no admin "
+        "key it is refused). Default: the environment variable KVENGINE_ADMIN_API_KEY")] = None
+    cache_salt_per_api_key: Annotated[bool, setting(
+        "HTTP API: salt the prefix cache with a digest of each request's API key, so that no key's requests hit "
+        "(or learn of) another key's cached prefixes; needs --api-key or KVENGINE_API_KEY")] = False
+    max_request_body_bytes: Annotated[PositiveInt, setting(
+        "HTTP API: the largest request body; a larger one gets 413 before it is read", parse="bytes")] = 8 << 20
+    max_request_prompts: Annotated[PositiveInt, setting(
+        "HTTP API: most prompts in one /v1/completions request; more get 400")] = 1024
+    max_user_requests: Annotated[PositiveInt, setting(
+        "HTTP API: most prompts in flight per user (an API key, or a connection with no keys) in one API process, "
+        "a request of N prompts counting N; more get 429")] = 1024
+    max_http_connections: Annotated[PositiveInt, setting(
+        "HTTP API: most open connections per API process; past it a new connection closes the longest-open idle "
+        "one, or is refused with 503 when none is idle")] = 512
+    http_keep_alive_timeout: Annotated[float, Meta(gt=0), setting(
+        "HTTP API: seconds an idle keep-alive connection stays open")] = 5.0
+    http_header_timeout: Annotated[float, Meta(gt=0), setting(
+        "HTTP API: seconds for a request's line and headers to arrive, from the connection's opening or the "
+        "previous response; the connection is closed after them")] = 10.0
+    http_body_timeout: Annotated[float, Meta(gt=0), setting(
+        "HTTP API: seconds for a request's whole body to arrive once its headers have; 408 after them")] = 30.0
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], setting("log level")] = "INFO"
+
+    def __post_init__(self) -> None:
+        keys = self.http_api_keys()
+        admin = self.http_admin_key()
+        for key in [*keys, *([admin] if admin is not None else [])]:
+            if not key or not key.isascii() or not key.isprintable() or " " in key:
+                raise ValueError("an API key is printable ASCII without spaces (several are separated by commas)")
+        if self.cache_salt_per_api_key and not keys:
+            raise ValueError(f"cache_salt_per_api_key salts by API key: give --api-key or {API_KEY_ENV}")
 
     def client_address(self) -> str | None:
         """--address, else None (the server picks an ipc:// path)."""
         return self.address
+
+    def http_api_keys(self) -> list[str]:
+        """--api-key, else KVENGINE_API_KEY, split at commas (none: every HTTP route is open)."""
+        keys = self.api_key if self.api_key is not None else os.environ.get(API_KEY_ENV) or None
+        return [] if keys is None else keys.split(",")
+
+    def http_admin_key(self) -> str | None:
+        return self.admin_api_key if self.admin_api_key is not None else os.environ.get(ADMIN_API_KEY_ENV) or None
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

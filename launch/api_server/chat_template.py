@@ -40,10 +40,15 @@ def compile_template(source: str):
 
 
 def render_chat(source: str, messages: list[dict], add_generation_prompt: bool = True, **variables: object) -> str:
-    """The prompt text; variables: bos_token, eos_token and any extra template argument."""
+    """The prompt text; variables: bos_token, eos_token and any extra template argument.
+
+    The template is the model's code run on the client's messages: whatever it raises (raise_exception, a
+    TypeError on a field of an unexpected type, a recursion limit) is a refusal of those messages."""
     try:
         return compile_template(source).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables
         )
     except TemplateError as e:
         raise ChatTemplateError(f"the chat template refused the messages: {e}") from None
+    except Exception as e:  # noqa: BLE001 (the model's template, not this server, failed on these messages)
+        raise ChatTemplateError(f"the chat template failed on the messages: {type(e).__name__}: {e}") from None

@@ -9,7 +9,7 @@ import sys
 import msgspec
 
 from launch.commands.local_server import die_with_parent
-from protocol.config import EngineConfig
+from protocol.config import EngineConfig, ServerConfig
 
 logger = logging.getLogger("kvengine.serve")
 BACKLOG = 4096  # connections the kernel queues before an API process accepts them (64 streams start at once)
@@ -24,7 +24,19 @@ class ApiServerSettings(msgspec.Struct, kw_only=True, frozen=True):
     model_name: str
     max_model_len: int
     metrics_url: str  # the engine core's metrics endpoint
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)  # keys from the environment stay there
+    engine_window: int = 256  # engine requests in flight from one API process
     log_level: str = "INFO"
+
+
+def engine_window(config: EngineConfig) -> int:
+    """Engine requests one API process keeps in flight: what the engine admits from one client and its share of
+    the engine's total, at most the batch the engine cores can run at once (the rest wait here, where they are
+    granted fairly between users, not in the engine's first-come queue)."""
+    server = config.server
+    share = server.max_pending_requests // max(server.api_server_count, 1)
+    running = config.scheduler.max_num_seqs * config.parallel.data_parallel_size
+    return max(1, min(server.max_client_requests, share, running))
 
 
 class ApiServers:
@@ -39,17 +51,19 @@ class ApiServers:
     def spawn(self, engine_address: str, max_model_len: int, metrics_port: int) -> None:
         """One process per --api-server-count; each dies with this process (parent-death signal)."""
         model = self.config.model.model
-        host = self.config.server.host if self.config.server.metrics_port is not None else "127.0.0.1"
+        server = self.config.server
+        host = server.host if server.metrics_port is not None else "127.0.0.1"
         if host in ("0.0.0.0", "::", ""):
             host = "127.0.0.1"
         settings = ApiServerSettings(
             engine_address=engine_address, fd=self.sock.fileno(), model=model,
-            model_name=self.config.server.served_model_name or model or "tiny", max_model_len=max_model_len,
+            model_name=server.served_model_name or model or "tiny", max_model_len=max_model_len,
             metrics_url=f"http://{host}:{metrics_port}/metrics",
-            log_level=self.config.server.log_level,
+            server=server,
+            engine_window=engine_window(self.config), log_level=server.log_level,
         )
         argv = [sys.executable, "-m", "launch.api_server.process", msgspec.json.encode(settings).decode()]
-        for _ in range(self.config.server.api_server_count):
+        for _ in range(server.api_server_count):
             self.procs.append(subprocess.Popen(argv, pass_fds=[self.sock.fileno()], preexec_fn=die_with_parent()))  # noqa: PLW1509
         logger.info("OpenAI-compatible API on %s (%d process(es))", self.url, len(self.procs))
 

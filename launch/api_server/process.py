@@ -1,7 +1,8 @@
 """The API server process: `python -m launch.api_server.process SETTINGS_JSON`, started by `kvengine serve`.
 
 It inherits the listening HTTP socket (one per `kvengine serve`, shared by every API process: the kernel
-spreads connections among them) and connects to the engine core's ZeroMQ address as one more client.
+spreads connections among them) and connects to the engine core's ZeroMQ address as one more client. API keys
+given in the environment (KVENGINE_API_KEY, KVENGINE_ADMIN_API_KEY) are read from its own, inherited one.
 """
 
 import logging
@@ -9,11 +10,11 @@ import sys
 from contextlib import asynccontextmanager
 
 import msgspec
-import uvicorn
 
 from launch.api_server.app import create_app
+from launch.api_server.connections import HttpConfig, HttpServer
 from launch.api_server.launcher import ApiServerSettings
-from launch.api_server.serving import Served
+from launch.api_server.state import Served
 from launch.api_server.text_model import load_text_model
 from launch.client import AsyncEngineClient, install_uvloop
 
@@ -23,8 +24,9 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_uvloop()
     engine = AsyncEngineClient(settings.engine_address)
+    server = settings.server
     served = Served(engine, load_text_model(settings.model), settings.model_name, settings.max_model_len,
-                    settings.metrics_url)
+                    settings.metrics_url, server, settings.engine_window)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -34,9 +36,11 @@ def main(argv: list[str]) -> int:
         finally:
             await engine.close()
 
-    config = uvicorn.Config(create_app(served, lifespan), fd=settings.fd, log_level=settings.log_level.lower(),
-                            access_log=False, timeout_graceful_shutdown=1)
-    uvicorn.Server(config).run()
+    config = HttpConfig(create_app(served, lifespan), max_connections=server.max_http_connections,
+                        header_timeout=server.http_header_timeout, fd=settings.fd,
+                        log_level=settings.log_level.lower(), access_log=False, timeout_graceful_shutdown=1,
+                        timeout_keep_alive=server.http_keep_alive_timeout)  # type: ignore[arg-type]
+    HttpServer(config, served).run()
     return 0
 
 

@@ -2,6 +2,7 @@
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -24,6 +25,11 @@ class TextModel:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    @cached_property
+    def longest_token_chars(self) -> int:
+        """Characters of the vocabulary's longest token string: one token covers at most this many of a text."""
+        return max(len(token) for token in self.tokenizer.get_vocab(with_added_tokens=True))
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **variables: object) -> str:
         if self.chat_template is None:

@@ -182,15 +182,20 @@ def test_openai_client_raises_its_own_errors(api):
         client.completions.create(model="tiny", prompt="hi", extra_body={"top_k": -5})
 
 
-def test_an_overloaded_engine_answers_503(start_server):
+def test_an_engine_overloaded_by_another_client_answers_503(start_server):
     api = start_api_server(start_server, *SMALL, "--max-pending-requests", "1")
-    conn = http.client.HTTPConnection("127.0.0.1", api.port, timeout=120)
-    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 240, "ignore_eos": True, "stream": True}
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    next(sse_events(response))  # the first request holds the only place
-    status, answer = api.request("POST", "/v1/completions", {"prompt": "hi"})
-    conn.close()
+
+    async def run() -> tuple[int, dict | str]:
+        async with AsyncEngineClient(api.server.address) as client:  # a native client holds the only place
+            params = SamplingParams(max_tokens=240, temperature=0, ignore_eos=True)
+            outputs = client.generate(PROMPT_IDS, params)
+            await anext(outputs)
+            try:
+                return await asyncio.to_thread(api.request, "POST", "/v1/completions", {"prompt": "hi"})
+            finally:
+                await outputs.aclose()
+
+    status, answer = asyncio.run(run())
     assert status == 503 and "overloaded" in answer["error"]["message"]
 
 
