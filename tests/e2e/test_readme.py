@@ -196,9 +196,9 @@ def run_events(unit: str, ctx: Context) -> None:
 
 
 def run_simulate(unit: str, ctx: Context) -> None:
-    trace = ctx.path / "trace.jsonl"  # a small hand-written conversation in the Mooncake format (512-token blocks)
-    trace.write_text("".join(json.dumps({"timestamp": 100 * i, "input_length": 512 * i + 300, "output_length": 4,
-                                         "hash_ids": list(range(i + 1))}) + "\n" for i in range(4)))
+    """The line as written, on the trace the repository ships (its --trace path is relative to the checkout)."""
+    trace = README.parent / word_after("--trace", unit)
+    assert trace.is_file() and trace.resolve().is_relative_to(README.parent), f"{trace}: not a file of the checkout"
     proc = ctx.run(unit, **{"--trace": str(trace)})
     assert "hit rate" in proc.stdout().lower()
 
@@ -290,6 +290,18 @@ def test_every_readme_block_is_run_or_skipped_with_a_reason():
     assert covered == set(BLOCKS)
     unused = [pattern for pattern in RULES if not any(re.match(pattern, unit) for unit in UNITS)]
     assert unused == [], "rules for README text that is gone"
+
+
+def test_ci_runs_the_two_readme_commands_as_written():
+    """The README's first two blocks are what a new user copies; .ci/run runs exactly them (the main job in a fresh
+    venv with no extras, so a dependency missing from pyproject.toml fails CI), named MAIN_JOB and TESTS there."""
+    ci = README.parent / ".ci" / "run"
+    script = ci.read_text()
+    first, second = (text for _, text in readme_blocks(README.read_text())[:2])
+    assert dict(re.findall(r"^(\w+)='(.*)'$", script, re.MULTILINE)) == {"MAIN_JOB": first, "TESTS": second}
+    assert re.search(r'^python -m venv "\$fresh/venv"$', script, re.MULTILINE)
+    assert re.search(r'^time env PATH="\$fresh/venv/bin:\$PATH" .*bash -c "\$MAIN_JOB"$', script, re.MULTILINE)
+    assert re.search(r'^bash -c "\$TESTS"$', script, re.MULTILINE)
 
 
 def test_a_new_block_without_a_rule_is_caught():
