@@ -8,6 +8,7 @@ from collections import deque
 from engine_core.async_scheduler import AsyncScheduler
 from engine_core.executor.abstract import Executor
 from engine_core.kv_cache.planning import KVCacheSizingError, capacity_line, get_kv_cache_config
+from engine_core.kv_connector.base import KVConnectorScheduler
 from engine_core.kv_connector.factory import make_kv_connector
 from engine_core.scheduler import Scheduler
 from protocol import (
@@ -71,7 +72,9 @@ def plan_kv_cache(config: EngineConfig, reports: list[WorkerKVReport]) -> tuple[
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor,
+                 kv_connector: KVConnectorScheduler | None = None) -> None:
+        """kv_connector: a second KV tier's engine-core side; default: the one the settings ask for (or none)."""
         self.executor = executor
         reports = executor.determine_available_memory()
         self.max_model_len, self.kv_cache_config = plan_kv_cache(config, reports)
@@ -80,7 +83,8 @@ class EngineCore:
         scheduler_cls = AsyncScheduler if config.scheduler.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(self.config, self.kv_cache_config, self.max_model_len,
                                        reports[0].eos_token_ids, reports[0].vocab_size,
-                                       make_kv_connector(config, self.kv_cache_config, reports[0].kv_fingerprint))
+                                       kv_connector or make_kv_connector(config, self.kv_cache_config,
+                                                                         reports[0].kv_fingerprint))
         self._pending: list[EngineCoreOutput] = []  # rejections and aborts, sent with the next step
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight: deque[SchedulerOutput] = deque()  # async scheduling: sent, output not applied yet

@@ -29,6 +29,7 @@ from launch.simulate.replay import Replay, SimConfig, check_settings
 from launch.simulate.report import dp_result_table, plot_sweep, result_table, sweep_table
 from launch.simulate.result import SimResult
 from launch.simulate.sweep import log_spaced, monotonic_violations, sweep
+from launch.simulate.tier import DEFAULT_READ_COST_PER_TOKEN, TierModel
 from launch.simulate.trace import TRACE_BLOCK_TOKENS, TraceRequest, read_trace
 from protocol.config import AREA_OF, EngineConfig, with_settings
 
@@ -36,7 +37,7 @@ ENGINE_AREAS = ("model", "cache", "scheduler", "parallel")
 # Of the parallel settings, a replay takes the data-parallel ones (N engine cores behind the router).
 REPLAY_PARALLEL_SETTINGS = ("data_parallel_size", "router_policy")
 # Engine settings that mean nothing without a model: hidden from the help, and refused rather than ignored.
-NO_MODEL_SETTINGS = ("model", "dtype", "gpu_memory_utilization", "kv_cache_memory_bytes",
+NO_MODEL_SETTINGS = ("model", "dtype", "gpu_memory_utilization", "kv_cache_memory_bytes", "kv_disk_path", "kv_disk_bytes",
                      *(name for name, area in AREA_OF.items()
                        if area == "parallel" and name not in REPLAY_PARALLEL_SETTINGS))
 # The engine flags whose meaning a replay changes.
@@ -100,6 +101,12 @@ def _add_clock_args(g: argparse._ArgumentGroup) -> None:
                    help="seconds per prefill (or recomputed) token (default: %(default)g, ~100k tokens/s)")
     g.add_argument("--decode-cost-per-step", type=float, default=DEFAULT_DECODE_COST_PER_STEP, metavar="S",
                    help="fixed seconds of every step (default: %(default)g)")
+    g.add_argument("--kv-disk-tokens", type=_tokens, default=None, metavar="TOKENS",
+                   help="a disk tier of this many tokens behind the memory cache: every computed block is saved "
+                        "there, and a prefix that misses memory is loaded from it (default: none)")
+    g.add_argument("--kv-disk-read-cost-per-token", type=float, default=DEFAULT_READ_COST_PER_TOKEN, metavar="S",
+                   help="seconds to load one token's KV from the disk tier, added to the step that loads it "
+                        "(default: %(default)s, 128 KiB a token at 64 GB/s)")
     g.add_argument("--cost-per-decode-token", type=float, default=DEFAULT_COST_PER_DECODE_TOKEN, metavar="S",
                    help="seconds per decoded token in a step (default: %(default)g)")
 
@@ -139,6 +146,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, SimConfig
         output_len_cap=args.output_len_cap,
         seed=args.seed,
         check_executor=args.check_executor,
+        kv_disk=None if args.kv_disk_tokens is None else TierModel(
+            args.kv_disk_tokens, args.kv_disk_read_cost_per_token, config.cache.kv_disk_eviction),
     )
     check_settings(config, sim)
     return config, sim

@@ -22,8 +22,17 @@ from dataclasses import dataclass
 
 from engine_core.executor.abstract import InlineExecutor
 from engine_core.executor.reference_executor import ReferenceExecutor
+from launch.simulate.tier import SimDiskTier
 from launch.simulate.tokens import VOCAB_SIZE
-from protocol import FullAttentionSpec, KVCacheConfig, ModelRunnerOutput, SchedulerOutput, WorkerKVReport
+from protocol import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVModelRunnerOutput,
+    KVSchedulerOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    WorkerKVReport,
+)
 
 DEFAULT_PREFILL_COST_PER_TOKEN = 10e-6
 DEFAULT_DECODE_COST_PER_STEP = 5e-3
@@ -59,7 +68,9 @@ class SimExecutor(InlineExecutor):
         max_model_len: int,
         cost_model: CostModel | None = None,
         check: bool = False,
+        tier: SimDiskTier | None = None,
     ) -> None:
+        """tier: the disk tier's model (launch/simulate/tier.py), or None."""
         self.spec = FullAttentionSpec(block_size, 1, 8, 2)
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
@@ -73,11 +84,12 @@ class SimExecutor(InlineExecutor):
             if check
             else None
         )
-        self.num_steps = 0  # steps that computed tokens
+        self.num_steps = 0  # steps that computed tokens (or, with a tier, loaded them)
         self.last_cost = 0.0
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         self.on_execute: Callable[[], None] | None = None  # called before each step's work (usage sampling)
+        self.tier = tier
 
     def determine_available_memory(self) -> list[WorkerKVReport]:
         return [
@@ -108,6 +120,13 @@ class SimExecutor(InlineExecutor):
             req_ids, sampled = self._compute(so)
         if self.reference is not None:
             self._check_against_reference(so, req_ids, sampled)
+        if self.tier is not None and isinstance(so, KVSchedulerOutput):
+            done, load_cost = self.tier.run(so.kv_connector_metadata)
+            if not so.total_num_scheduled_tokens:  # a step that only moved blocks: it ran, its loads took time
+                self.num_steps += 1
+            self.last_cost += load_cost
+            return KVModelRunnerOutput(step=so.step, req_ids=req_ids, sampled_token_ids=sampled,
+                                       kv_connector_output=done)
         return ModelRunnerOutput(step=so.step, req_ids=req_ids, sampled_token_ids=sampled)
 
     def _update_states(self, so: SchedulerOutput) -> None:

@@ -21,6 +21,7 @@ from launch.commands.percentiles import percentile
 from launch.simulate.ceiling import count_prefix_hits
 from launch.simulate.executor import CostModel, SimExecutor
 from launch.simulate.result import SimResult
+from launch.simulate.tier import SimDiskTier, TierModel
 from launch.simulate.tokens import TokenSynthesizer
 from launch.simulate.trace import TraceRequest, check_block_size
 from protocol import EngineCoreOutput, EngineCoreRequest, SamplingParams
@@ -38,6 +39,7 @@ class SimConfig:
     output_len_cap: int | None = None
     seed: int = 0
     check_executor: bool = False  # also run ReferenceExecutor and compare (slow)
+    kv_disk: TierModel | None = None  # a disk tier behind the memory cache (launch/simulate/tier.py)
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
@@ -109,9 +111,11 @@ class Replay:
         self.num_blocks, self.max_model_len = pool_size(config, sim, self.requests, self.ceiling_hits)
         self.config = with_settings(config, num_gpu_blocks_override=self.num_blocks, max_model_len=self.max_model_len)
         self.synthesizer = synthesizer or TokenSynthesizer(sim.seed)
-        self.executor = SimExecutor(bs, self.num_blocks, self.max_model_len, sim.cost_model, sim.check_executor)
+        self.tier = None if sim.kv_disk is None else SimDiskTier(sim.kv_disk, bs)
+        self.executor = SimExecutor(bs, self.num_blocks, self.max_model_len, sim.cost_model, sim.check_executor,
+                                    self.tier)
         self.executor.on_execute = self._sample_usage
-        self.core = EngineCore(self.config, self.executor)
+        self.core = EngineCore(self.config, self.executor, None if self.tier is None else self.tier.connector)
         self.scheduler = self.core.scheduler
         self.pool = self.scheduler.kv_cache_manager.block_pool
         scale = 0.0 if sim.as_fast_as_possible else sim.time_scale / 1000.0
