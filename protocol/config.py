@@ -61,6 +61,11 @@ class CacheConfig(_Area, frozen=True):
         "max_model_len, at most a share of available RAM", parse="bytes")] = None
     num_gpu_blocks_override: Annotated[Annotated[int, Meta(ge=2)] | None, setting(
         "use exactly this many KV blocks (block 0 is the null block)")] = None
+    kv_cache_dtype: Annotated[Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"], setting(
+        "what the KV cache stores. auto: the model's --dtype; bfloat16: needs --dtype bfloat16 (= auto); "
+        "fp8_e4m3 (fp8), fp8_e5m2, int8: one byte a value plus an fp32 scale per block, KV head and K/V, chosen "
+        "from the block's values as they are written (about twice the blocks of bfloat16 in the same memory)")
+    ] = "auto"
     enable_prefix_caching: Annotated[bool, setting("reuse KV blocks of identical prefixes")] = True
     prefix_caching_hash_algo: Annotated[Literal["sha256", "xxhash"], setting(
         "block hash: sha256 (cryptographic: cached prefixes are tenant data) or xxhash (faster)")] = "sha256"

@@ -1,6 +1,7 @@
 """KV cache specs and the final KV cache config: computed by the ledger, sent to every worker."""
 
 import math
+from typing import Literal
 
 import msgspec
 
@@ -19,21 +20,35 @@ def _check_positive(spec: "KVCacheSpec", *names: str) -> None:
         raise ValueError(f"{type(spec).__name__}.head_size_v must be >= 0, got {spec.head_size_v}")
 
 
+# A quantized KV cache stores one byte a value and, per block, KV head and K/V, one fp32 scale (worker/kv_quant.py).
+KVQuant = Literal["", "int8", "fp8_e4m3", "fp8_e5m2"]  # "": unquantized, dtype_bytes a value
+KV_SCALE_BYTES = 4
+
+
+def _check_quant(spec: "KVCacheSpec") -> None:
+    if spec.kv_quant and spec.dtype_bytes != 1:
+        raise ValueError(f"{type(spec).__name__}: a {spec.kv_quant} KV cache stores 1 byte a value, not "
+                         f"{spec.dtype_bytes}")
+
+
 class FullAttentionSpec(msgspec.Struct, frozen=True, tag=True, array_like=True):
     block_size: int
     num_kv_heads: int  # per tensor-parallel rank
     head_size: int
     dtype_bytes: int
     head_size_v: int = 0  # 0 means equal to head_size
+    kv_quant: KVQuant = ""
 
     def __post_init__(self) -> None:
         _check_positive(self, "block_size", "num_kv_heads", "head_size", "dtype_bytes")
+        _check_quant(self)
 
     @property
     def page_size_bytes(self: "KVCacheSpec") -> int:
-        """Bytes of K and V for one block of one layer."""
+        """Bytes of K and V for one block of one layer, a quantized cache's scales included."""
         head_size_v = self.head_size_v or self.head_size
-        return self.num_kv_heads * self.block_size * (self.head_size + head_size_v) * self.dtype_bytes
+        values = self.block_size * (self.head_size + head_size_v) * self.dtype_bytes
+        return self.num_kv_heads * (values + (2 * KV_SCALE_BYTES if self.kv_quant else 0))
 
 
 class SlidingWindowSpec(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -43,11 +58,13 @@ class SlidingWindowSpec(msgspec.Struct, frozen=True, tag=True, array_like=True):
     dtype_bytes: int
     sliding_window: int  # a token attends to itself and the sliding_window - 1 tokens before it
     head_size_v: int = 0
+    kv_quant: KVQuant = ""
 
     page_size_bytes = FullAttentionSpec.page_size_bytes
 
     def __post_init__(self) -> None:
         _check_positive(self, "block_size", "num_kv_heads", "head_size", "dtype_bytes", "sliding_window")
+        _check_quant(self)
 
 
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec

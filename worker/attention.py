@@ -17,6 +17,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from worker.kv_quant import KVCache, QuantizedKV, gather_dequantized, write_quantized
+
 DECODE_CHUNK_BYTES = 2 << 20
 
 
@@ -161,11 +163,17 @@ class GatherBuffer:
     def __init__(self, max_tokens: int, num_kv_heads: int, head_size: int, dtype, device):
         self.data = torch.zeros(2, num_kv_heads, max_tokens, head_size, dtype=dtype, device=device)
 
-    def gather(self, cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of these blocks, each [kv_heads, len(block_ids) * block_size, head_size]."""
-        n, bs = block_ids.numel(), cache.shape[3]
+    def gather(self, cache: KVCache, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of these blocks, each [kv_heads, len(block_ids) * block_size, head_size]; a quantized cache's
+        dequantized."""
+        shape = cache.data.shape if isinstance(cache, QuantizedKV) else cache.shape
+        n, bs = block_ids.numel(), shape[3]
         if n * bs > self.data.shape[2]:
             raise RuntimeError(f"gather of {n * bs} tokens exceeds the {self.data.shape[2]}-token buffer")
+        if isinstance(cache, QuantizedKV):
+            kv = self.data[:, :, : n * bs].view(2, shape[1], n, bs, shape[4])
+            gather_dequantized(cache, block_ids, kv)
+            return kv[0].view(shape[1], n * bs, -1), kv[1].view(shape[1], n * bs, -1)
         k = self.data[0, :, : n * bs].view(cache.shape[1], n, bs, cache.shape[4])
         v = self.data[1, :, : n * bs].view(cache.shape[1], n, bs, cache.shape[4])
         torch.index_select(cache[0], 1, block_ids, out=k)
@@ -173,8 +181,10 @@ class GatherBuffer:
         return k.view(cache.shape[1], n * bs, -1), v.view(cache.shape[1], n * bs, -1)
 
 
-def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """k, v: [tokens, kv_heads, head_size] written at their slots."""
+def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """k, v: [tokens, kv_heads, head_size] written at their slots (quantized where the cache is)."""
+    if isinstance(cache, QuantizedKV):
+        return write_quantized(cache, k, v, slots)
     heads, hd = cache.shape[1], cache.shape[4]
     cache[0].view(heads, -1, hd).index_copy_(1, slots, k.transpose(0, 1))
     cache[1].view(heads, -1, hd).index_copy_(1, slots, v.transpose(0, 1))
@@ -184,7 +194,7 @@ def paged_attention(
     q: torch.Tensor,  # [tokens, heads, head_size]
     k: torch.Tensor,  # [tokens, kv_heads, head_size]
     v: torch.Tensor,
-    cache: torch.Tensor,
+    cache: KVCache,
     meta: AttentionMetadata,
     buffer: GatherBuffer,
     scale: float,
@@ -196,7 +206,7 @@ def paged_attention(
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     for span in meta.spans:
-        if span.first_block is None:
+        if span.first_block is None or isinstance(cache, QuantizedKV):
             kg, vg = buffer.gather(cache, span.block_ids)
         else:
             blocks = slice(span.first_block, span.first_block + span.block_ids.numel())

@@ -11,6 +11,7 @@ from protocol.sizes import cdiv
 from worker.attention_backends import Attention, BackendName, CpuKernelAttention, TorchAttention, TritonAttention
 from worker.block_table import BlockTables
 from worker.input_buffers import StepBuffers
+from worker.kv_quant import KVCache, allocate
 from worker.memory import cpu_zeros_huge_pages
 from worker.model.llama import LlamaModel
 
@@ -19,7 +20,7 @@ from worker.model.llama import LlamaModel
 class KVState:
     block_size: int
     windows: list[int | None]  # per KV cache group: its sliding window, None for full attention
-    kv_tensors: list[torch.Tensor]  # layer j of every group shares tensor j
+    kv_tensors: list[KVCache]  # layer j of every group shares tensor j (quantized: codes and scales)
     layer_slots: list[tuple[int, int]]  # per layer: (its group, its tensor)
     pad_block: int  # padded decode batches write their padding requests' K/V here, past the ledger's blocks
     tables: BlockTables
@@ -56,11 +57,7 @@ def make_kv_state(
         raise ValueError("padded decode batches (CUDA graphs) need the triton or cpu attention backend")
     num_blocks = cfg.num_blocks + (1 if cuda_graph_sizes else 0)  # the padding block
     shape = (2, model.kv_heads_per_rank, num_blocks, block_size, model.cfg.head_dim)
-    num_tensors = max(len(g.layer_names) for g in groups)
-    if device.type == "cpu":
-        kv_tensors = [cpu_zeros_huge_pages(shape, dtype) for _ in range(num_tensors)]
-    else:
-        kv_tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_tensors)]
+    kv_tensors = _allocate_kv(groups, shape, dtype, device)
     max_blocks = cdiv(max_model_len, block_size)
     graph_max = cuda_graph_sizes[-1] if cuda_graph_sizes else 0
     buffers = StepBuffers(max(padded_num_tokens(max_num_batched_tokens), graph_max), max(max_num_seqs, graph_max),
@@ -68,6 +65,25 @@ def make_kv_state(
     return KVState(block_size, windows, kv_tensors, layer_slots, cfg.num_blocks,
                    BlockTables(len(groups), max_num_seqs, max_blocks, device), attention, buffers, device,
                    pad_tokens=device.type == "cpu" and dtype != torch.float32)
+
+
+def _allocate_kv(groups: Sequence[KVCacheGroupSpec], shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device) -> list[KVCache]:
+    """One cache per tensor slot, in the model's dtype or quantized as the groups' spec says."""
+    quant = {g.kv_cache_spec.kv_quant for g in groups}
+    if len(quant) != 1:
+        raise ValueError(f"all KV cache groups must share one KV cache dtype, got {sorted(quant)}")
+    (kv_quant,) = quant
+
+    def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if device.type == "cpu":
+            return cpu_zeros_huge_pages(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    num_tensors = max(len(g.layer_names) for g in groups)
+    if kv_quant:
+        return [allocate(shape, kv_quant, zeros) for _ in range(num_tensors)]
+    return [zeros(shape, dtype) for _ in range(num_tensors)]
 
 
 def _layer_slots(groups: Sequence[KVCacheGroupSpec], layer_index: dict[str, int], model: LlamaModel,

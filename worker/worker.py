@@ -27,6 +27,7 @@ from worker.cuda_graphs import cuda_graph_sizes
 from worker.kv_connector.disk import DiskConnectorWorker
 from worker.kv_connector.factory import make_kv_connector_worker
 from worker.kv_connector.fingerprint import kv_fingerprint
+from worker.kv_quant import resolve_kv_quant
 from worker.model.loader import build_native, load_model
 from worker.model_runner import ModelRunner
 from worker.ops.cpu_attention import cpu_has_bf16, load_extension
@@ -69,6 +70,7 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = _resolve_dtype(config.model.dtype, self.device)
+        self.kv_quant = resolve_kv_quant(config.cache.kv_cache_dtype, self.dtype)
         self.block_size = config.cache.block_size
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.kv_cache_memory_bytes = config.kv_cache_memory_bytes_of(rank)
@@ -85,7 +87,8 @@ class Worker:
         graph_sizes = cuda_graph_sizes(self.device, config.model.enforce_eager, backend, tp_size, max_num_seqs)
         self.runner = ModelRunner(self.model, max_num_seqs, self.max_model_len, config.scheduler.check_block_tables,
                                   backend, self.max_num_batched_tokens, graph_sizes)
-        log.info("rank %d: %s, attention backend %s", rank, str(self.dtype).removeprefix("torch."), backend)
+        log.info("rank %d: %s, KV cache %s, attention backend %s", rank, str(self.dtype).removeprefix("torch."),
+                 self.kv_quant or "in the model's dtype", backend)
         self.kv_fingerprint = ""  # the disk tier's folder (--kv-disk-path): set by report_kv
         self.kv_connector: DiskConnectorWorker | None = None  # the disk tier's data side: made by init_kv_cache
 
@@ -99,10 +102,12 @@ class Worker:
             "block_size": self.block_size,
             "num_kv_heads": m.kv_heads_per_rank,
             "head_size": m.cfg.head_dim,
-            "dtype_bytes": torch.finfo(self.dtype).bits // 8,
+            "dtype_bytes": 1 if self.kv_quant else torch.finfo(self.dtype).bits // 8,
         }
+        q = self.kv_quant
         return {
-            name: FullAttentionSpec(**common) if w is None else SlidingWindowSpec(**common, sliding_window=w)
+            name: FullAttentionSpec(**common, kv_quant=q) if w is None
+            else SlidingWindowSpec(**common, sliding_window=w, kv_quant=q)
             for name, w in zip(self.runner.layer_names, m.cfg.layer_sliding_windows, strict=True)
         }
 

@@ -7,6 +7,7 @@ import torch
 
 from protocol.model.config import ModelConfig
 from worker.attention_backends import Attention
+from worker.kv_quant import KVCache
 from worker.model.attention_block import SelfAttention
 from worker.model.layers import VocabParallelEmbedding, norm
 from worker.model.layout import LLAMA, Layout
@@ -71,7 +72,7 @@ class LlamaModel:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         num_tokens: int,
-        caches: list[torch.Tensor],
+        caches: list[KVCache],
         metas: list,
         attention: Attention,
     ) -> torch.Tensor:

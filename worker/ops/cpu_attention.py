@@ -12,6 +12,7 @@ from types import ModuleType
 
 import torch
 
+from worker.kv_quant import KVCache, QuantizedKV
 from worker.ops.cpu_build import CpuAttentionUnavailable, build_extension, cpu_flags
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def build_cpu_metadata(
 
 def paged_attention_cpu(
     q: torch.Tensor,
-    cache: torch.Tensor,
+    cache: KVCache,
     block_table: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -56,17 +57,25 @@ def paged_attention_cpu(
 ) -> torch.Tensor:
     """q [tokens, heads, head_size] over the cache [2, kv_heads, num_blocks, block_size, head_size] read in place;
     returns [tokens, heads * head_size]. num_computed of a request is seq_len - its query count; softcap > 0 caps
-    the scaled scores to softcap * tanh(score / softcap)."""
-    return load_extension().paged_attention(q, cache, block_table, query_start_loc, seq_lens, window, scale, softcap)
+    the scaled scores to softcap * tanh(score / softcap). A quantized cache's codes and scales are read in place."""
+    data, scales = _parts(cache)
+    return load_extension().paged_attention(q, data, block_table, query_start_loc, seq_lens, window, scale, softcap,
+                                            scales)
 
 
-def reshape_and_cache_cpu(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: CpuAttentionMetadata) -> None:
-    """Write this step's k, v [tokens, kv_heads, head_size] at the slots the block table gives."""
-    load_extension().reshape_and_cache(k, v, cache, meta.block_table, meta.query_start_loc, meta.seq_lens)
+def reshape_and_cache_cpu(k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: CpuAttentionMetadata) -> None:
+    """Write this step's k, v [tokens, kv_heads, head_size] at the slots the block table gives (quantized where the
+    cache is, as worker/kv_quant.py does)."""
+    data, scales = _parts(cache)
+    load_extension().reshape_and_cache(k, v, data, meta.block_table, meta.query_start_loc, meta.seq_lens, scales)
+
+
+def _parts(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return (cache.data, cache.scales) if isinstance(cache, QuantizedKV) else (cache, None)
 
 
 def cpu_paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: CpuAttentionMetadata, scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: CpuAttentionMetadata, scale: float,
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """The layer's attention: write this step's K/V, then attend over cached + new keys; [tokens, heads*head_size]."""

@@ -7,10 +7,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_attention", &paged_attention, "paged attention over the block table, [tokens, heads * head_size]",
         py::arg("q"), py::arg("cache"), py::arg("block_table"), py::arg("query_start_loc"), py::arg("seq_lens"),
-        py::arg("window"), py::arg("scale"), py::arg("softcap") = 0.0, nogil);
+        py::arg("window"), py::arg("scale"), py::arg("softcap") = 0.0, py::arg("kv_scales") = py::none(), nogil);
   m.def("reshape_and_cache", &reshape_and_cache, "write K/V at the slots the block table gives", py::arg("k"),
         py::arg("v"), py::arg("cache"), py::arg("block_table"), py::arg("query_start_loc"), py::arg("seq_lens"),
-        nogil);
+        py::arg("kv_scales") = py::none(), nogil);
   m.def("rms_norm", &rms_norm, "weight * x / rms(x) over the last dim", py::arg("x"), py::arg("weight"),
         py::arg("eps"), nogil);
   m.def("add_rms_norm", &add_rms_norm, "x += delta in place, then rms_norm(x)", py::arg("x"), py::arg("delta"),

@@ -3,12 +3,16 @@
 
 #include <ATen/ATen.h>
 
-// Attention over the paged cache, read in place through the block table (paged_attention.cpp).
+#include <optional>
+
+// Attention over the paged cache, read in place through the block table (paged_attention.cpp); kv_scales: a
+// quantized cache's scales (kv_quant.h).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t window,
-                           double scale, double softcap);
+                           double scale, double softcap, const std::optional<at::Tensor>& kv_scales);
 void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache, const at::Tensor& block_table,
-                       const at::Tensor& query_start_loc, const at::Tensor& seq_lens);
+                       const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                       const std::optional<at::Tensor>& kv_scales);
 
 // A decoder layer's elementwise work, one pass each (layer_ops.cpp).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

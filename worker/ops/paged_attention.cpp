@@ -13,6 +13,9 @@
 // online softmax in fp32: a block per step for wide items, a span of blocks per step for narrow ones.
 // Keys outside [first visible key, last query] are never touched, so null blocks (skipped by a sliding
 // window) and unwritten slots are never read.
+//
+// A quantized cache (kv_quant.h: int8 or fp8 codes, one fp32 scale per K/V, kv head and block) is read in
+// place the same way: a block's codes are widened to fp32 and scaled as they are used, never copied whole.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -28,6 +31,7 @@
 #include <vector>
 
 #include "cpu_vec.h"
+#include "kv_quant.h"
 #include "ops.h"
 
 namespace {
@@ -124,6 +128,8 @@ struct Shape {
   int64_t window;  // <= 0: none
   float scale;
   float softcap;  // <= 0: none
+  const float* scales = nullptr;  // a quantized cache's [2, kv_heads, num_blocks] scales
+  int32_t quant = kNoQuant;
 };
 
 // One thread's scratch, reused across its items; kD == 0: head size known only at run time.
@@ -132,18 +138,20 @@ struct Shape {
 // (decodes: the heads of one kv head) take per-row dot products, kLanes keys at a time, summed
 // across lanes by a transposed reduction. Either way, per step: scores, online-softmax step, then
 // acc += p * V in fp32, K and V of the blocks ahead prefetched (blocks are scattered).
-template <typename T, int kD>
+// C is the cache's element type: T, or uint8_t for a quantized cache's codes.
+template <typename T, typename C, int kD>
 class ItemRunner {
  public:
-  ItemRunner(const Shape& s, const T* q, const T* cache, T* out)
+  ItemRunner(const Shape& s, const T* q, const C* cache, T* out)
       : s_(s), d_(kD > 0 ? kD : static_cast<int>(s.head_size)), q_(q), cache_(cache), out_(out),
         span_blocks_(std::max<int64_t>(1, kSpanKeys / s.block_size)),
         key_stride_(static_cast<int>(span_blocks_ * s.block_size) + kLanes),
-        prefetch_blocks_(std::clamp<int64_t>(kPrefetchBytes / (s.block_size * s.head_size * sizeof(T)), 1, 8)),
+        prefetch_blocks_(std::clamp<int64_t>(kPrefetchBytes / (s.block_size * s.head_size * sizeof(C)), 1, 8)),
         queries_(static_cast<size_t>(d_) * kLanes),
         scores_(static_cast<size_t>(key_stride_) * kLanes), acc_(static_cast<size_t>(kLanes) * d_),
-        kf_(std::is_same_v<T, float> ? 0 : static_cast<size_t>(s.block_size) * d_), vf_(kf_.size()),
-        dot_(kDotT && d_ % 32 == 0), qbits_(dot_ ? static_cast<size_t>(d_) * kLanes : 0), qpairs_(qbits_.size()) {}
+        kf_(std::is_same_v<C, float> ? 0 : static_cast<size_t>(s.block_size) * d_), vf_(kf_.size()),
+        dot_(kDotT && d_ % 32 == 0), qbits_(dot_ ? static_cast<size_t>(d_) * kLanes : 0), qpairs_(qbits_.size()),
+        codes_(code_reader(s.quant)) {}
 
 
   void run(const Item& it, const Request& rq) {
@@ -174,12 +182,16 @@ class ItemRunner {
     load_queries(it, rq);
     std::fill(acc_.begin(), acc_.end(), 0.0f);
     const int64_t D = d(), kv_stride = s_.num_blocks * BS * D;  // one kv head of K (or V)
-    const T* k_head = cache_ + it.kv_head * kv_stride;
-    const T* v_head = cache_ + (s_.kv_heads + it.kv_head) * kv_stride;
+    const C* k_head = cache_ + it.kv_head * kv_stride;
+    const C* v_head = cache_ + (s_.kv_heads + it.kv_head) * kv_stride;
+    if constexpr (kQuant) {
+      k_scales_ = s_.scales + it.kv_head * s_.num_blocks;
+      v_scales_ = s_.scales + (s_.kv_heads + it.kv_head) * s_.num_blocks;
+    }
     lo_min_ = lo_min;
     hi_max_ = hi_max;
     const int64_t first = lo_min / BS, last = hi_max / BS;
-    auto block_of = [&](const T* head, int64_t b) { return head + rq.blocks[b] * BS * D; };
+    auto block_of = [&](const C* head, int64_t b) { return head + rq.blocks[b] * BS * D; };
     if (wide_) {
       for (int64_t b = first; b < std::min(first + prefetch_blocks_, last + 1); ++b) {
         prefetch(block_of(k_head, b), BS * D);
@@ -192,17 +204,17 @@ class ItemRunner {
         }
         const int64_t base = b * BS;
         const int j0 = key_begin(b), j1 = key_end(b);
-        const T* k = block_of(k_head, b);
-        const T* v = block_of(v_head, b);
+        const C* k = block_of(k_head, b);
+        const C* v = block_of(v_head, b);
         if (dot_) {
           score_wide_dot(k, static_cast<int32_t>(base), j0, j1);
         } else {
-          score_wide(as_float(k, j0, j1, kf_), static_cast<int32_t>(base), j0, j1);
+          score_wide(as_float(k, j0, j1, kf_, k_scale(rq, b)), static_cast<int32_t>(base), j0, j1);
         }
         if constexpr (kInRegisters) {
           accumulate_in_registers(v_head, rq, b, b + 1, -1, 1, kLanes);  // last -1: the loop prefetches V
         } else {
-          accumulate(as_float(v, j0, j1, vf_), scores_.data(), j0, j1, 1, kLanes);
+          accumulate(as_float(v, j0, j1, vf_, v_scale(rq, b)), scores_.data(), j0, j1, 1, kLanes);
         }
       }
     } else {
@@ -215,9 +227,10 @@ class ItemRunner {
       for (int64_t b0 = first; b0 <= last; b0 += span_blocks_) {
         const int64_t b1 = std::min(last + 1, b0 + span_blocks_);
         for (int64_t b = b0; b < b1; ++b) {
-          const T* k = block_of(k_head, b);
-          const T* ahead = b + span_blocks_ <= last ? block_of(k_head, b + span_blocks_) : nullptr;
-          score_narrow(dot_ ? nullptr : as_float(k, key_begin(b), key_end(b), kf_), k, static_cast<int32_t>(b * BS),
+          const C* k = block_of(k_head, b);
+          const C* ahead = b + span_blocks_ <= last ? block_of(k_head, b + span_blocks_) : nullptr;
+          score_narrow(dot_ ? nullptr : as_float(k, key_begin(b), key_end(b), kf_, k_scale(rq, b)), k,
+                       static_cast<int32_t>(b * BS),
                        key_begin(b), key_end(b), static_cast<int>((b - b0) * BS), ahead,
                        b0 == first ? block_of(v_head, b) : nullptr);
         }
@@ -227,7 +240,7 @@ class ItemRunner {
         } else {
           for (int64_t b = b0; b < b1; ++b) {
             if (b + span_blocks_ <= last) prefetch(block_of(v_head, b + span_blocks_), BS * D);
-            const float* v = as_float(block_of(v_head, b), key_begin(b), key_end(b), vf_);
+            const float* v = as_float(block_of(v_head, b), key_begin(b), key_end(b), vf_, v_scale(rq, b));
             accumulate(v, scores_.data() + (b - b0) * BS, key_begin(b), key_end(b), key_stride_, 1);
             std::fill(alpha_, alpha_ + kLanes, 1.0f);  // the span's rescale, applied with its first block
           }
@@ -242,7 +255,12 @@ class ItemRunner {
   static constexpr int64_t kSpanKeys = 64;         // narrow items' keys per online-softmax step
   // bf16 on CPUs with AVX512-BF16: scores by bf16 dot products read straight from the cache, queries kept
   // unscaled in bf16 (exact) and the scale applied to the fp32 scores.
-  static constexpr bool kDotT = std::is_same_v<T, c10::BFloat16> && kBf16Dot;
+  static constexpr bool kDotT = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T> && kBf16Dot;
+  static constexpr bool kQuant = std::is_same_v<C, uint8_t>;
+
+  // A quantized block's K (V) scale, the code reader's factor folded in; 1 unquantized.
+  float k_scale(const Request& rq, int64_t b) const { return kQuant ? k_scales_[rq.blocks[b]] * codes_.mult : 1.0f; }
+  float v_scale(const Request& rq, int64_t b) const { return kQuant ? v_scales_[rq.blocks[b]] * codes_.mult : 1.0f; }
 
   int d() const { return kD > 0 ? kD : d_; }
 
@@ -283,10 +301,14 @@ class ItemRunner {
     }
   }
 
-  // Keys [j0, j1) of a block as fp32: the cache itself for fp32, else converted into scratch.
-  const float* as_float(const T* src, int j0, int j1, std::vector<float>& buf) {
-    if constexpr (std::is_same_v<T, float>) {
+  // Keys [j0, j1) of a block as fp32: the cache itself for fp32, else converted (codes: dequantized) into scratch.
+  const float* as_float(const C* src, int j0, int j1, std::vector<float>& buf, float scale) {
+    if constexpr (std::is_same_v<C, float>) {
       return src;
+    } else if constexpr (kQuant) {
+      const int64_t D = d();
+      codes_to_float(src + j0 * D, buf.data() + j0 * D, (j1 - j0) * D, codes_, scale);
+      return buf.data();
     } else {
       const int64_t D = d();
       to_float(src + j0 * D, buf.data() + j0 * D, (j1 - j0) * D);
@@ -326,7 +348,7 @@ class ItemRunner {
   }
 
   // score_wide from bf16 keys: per pair of key elements, one vdpbf16ps for every row.
-  void score_wide_dot(const T* k, int32_t base, int j0, int j1) {
+  void score_wide_dot(const C* k, int32_t base, int j0, int j1) {
     if constexpr (kDotT) {
       const int D = d();
       const vint lo = load_int(lo_), hi = load_int(hi_);
@@ -335,7 +357,7 @@ class ItemRunner {
       vfloat block_max = splat(kMasked);
       int j = j0;
       for (; j + 4 <= j1; j += 4) {
-        const T* kj = k + static_cast<int64_t>(j) * D;
+        const C* kj = k + static_cast<int64_t>(j) * D;
         vfloat s0{}, s1{}, s2{}, s3{};
         for (int i = 0; i < D; i += 2) {
           const uint16_t* qi = qbits_.data() + i * kLanes;
@@ -350,7 +372,7 @@ class ItemRunner {
         block_max = vmax(block_max, mask_and_store(s3 * scale, base, j + 3, lo, hi, seen));
       }
       for (; j < j1; ++j) {
-        const T* kj = k + static_cast<int64_t>(j) * D;
+        const C* kj = k + static_cast<int64_t>(j) * D;
         vfloat s{};
         for (int i = 0; i < D; i += 2) s = dot_bf16_pair(s, qbits_.data() + i * kLanes, pair(kj + i));
         block_max = vmax(block_max, mask_and_store(s * scale, base, j, lo, hi, seen));
@@ -359,7 +381,7 @@ class ItemRunner {
     }
   }
 
-  static uint32_t pair(const T* p) {  // two adjacent bf16 values as one 32-bit lane
+  static uint32_t pair(const C* p) {  // two adjacent bf16 values as one 32-bit lane
     uint32_t b;
     std::memcpy(&b, p, sizeof(b));
     return b;
@@ -402,8 +424,8 @@ class ItemRunner {
   // scores_[row * key_stride_ + off + j] for keys [j0, j1) of a block, masked: per row, kLanes keys at a
   // time. Keys as fp32 (k), or with dot_ the block's bf16 keys (kb). The same keys of blocks ahead1 and
   // ahead2 (where not null) are prefetched along the way.
-  void score_narrow(const float* k, const T* kb, int32_t base, int j0, int j1, int off, const T* ahead1,
-                    const T* ahead2) {
+  void score_narrow(const float* k, const C* kb, int32_t base, int j0, int j1, int off, const C* ahead1,
+                    const C* ahead2) {
     const int D = d();
     int m = 0;
     if (dot_) {
@@ -440,7 +462,7 @@ class ItemRunner {
 
   // score_narrow for rows m and m + 1 with dot_: each key's half-vector chunks broadcast against both rows'
   // queries side by side, so one vector holds two rows' partial sums and the folds are shared.
-  void score_row_pair(const T* kb, int32_t base, int j0, int j1, int off, int m, const T* ahead1, const T* ahead2) {
+  void score_row_pair(const C* kb, int32_t base, int j0, int j1, int off, int m, const C* ahead1, const C* ahead2) {
     if constexpr (kDotT) {
       const int D = d();
       const uint16_t* qp = qpairs_.data() + (m / 2) * 2 * D;  // [D / 16][row m's 16 values, row m + 1's]
@@ -495,7 +517,7 @@ class ItemRunner {
   }
 
   // partial_dot of unscaled bf16 q and bf16 k (D a multiple of 32).
-  vfloat partial_dot_bf16(const uint16_t* q, const T* k) const {
+  vfloat partial_dot_bf16(const uint16_t* q, const C* k) const {
     vfloat acc{};
     if constexpr (kDotT) {
       for (int i = 0; i < d(); i += 32) acc = dot_bf16(acc, q + i, k + i);
@@ -516,10 +538,12 @@ class ItemRunner {
   // A compile-time head size: P x V by accumulate_in_registers (else by accumulate, through fp32 scratch).
   static constexpr bool kInRegisters = kD > 0 && kD % kLanes == 0;
 
-  static vfloat load_as_float(const T* p) {
-    if constexpr (std::is_same_v<T, float>) {
+  vfloat load_as_float(const C* p) const {
+    if constexpr (std::is_same_v<C, float>) {
       return load(p);
-    } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    } else if constexpr (kQuant) {
+      return load_codes(p, codes_);
+    } else if constexpr (std::is_same_v<C, c10::BFloat16>) {
       return load_bf16(p);
     } else {
       vfloat x;
@@ -533,7 +557,7 @@ class ItemRunner {
   // chains, even and odd keys get accumulators of their own, summed at the end. Block columns [b0, b1), p(row,
   // key t of the span) at scores_[row * row_stride + t * key_stride]; the first pass over V prefetches the
   // next span's V (up to block column last).
-  void accumulate_in_registers(const T* v_head, const Request& rq, int64_t b0, int64_t b1, int64_t last,
+  void accumulate_in_registers(const C* v_head, const Request& rq, int64_t b0, int64_t b1, int64_t last,
                                int row_stride, int key_stride) {
     if constexpr (kInRegisters) {
       constexpr int kRows = std::clamp(16 / (kD / kLanes), 1, 4);
@@ -553,7 +577,7 @@ class ItemRunner {
   }
 
   template <int kR>
-  void accumulate_rows(const T* v_head, const Request& rq, int64_t b0, int64_t b1, int m0, int64_t last,
+  void accumulate_rows(const C* v_head, const Request& rq, int64_t b0, int64_t b1, int m0, int64_t last,
                        int row_stride, int key_stride) {
     constexpr int kC = kD / kLanes, kS = kR * kC >= 8 ? 1 : 2;
     vfloat r[kS][kR][kC];
@@ -564,16 +588,17 @@ class ItemRunner {
       }
     }
     for (int64_t b = b0; b < b1; ++b) {
-      const T* ahead =
+      const C* ahead =
           m0 == 0 && b + span_blocks_ <= last ? v_head + rq.blocks[b + span_blocks_] * s_.block_size * kD : nullptr;
-      const T* v = v_head + rq.blocks[b] * s_.block_size * kD;
+      const C* v = v_head + rq.blocks[b] * s_.block_size * kD;
+      const vfloat vs = splat(v_scale(rq, b));
       const float* p = scores_.data() + m0 * row_stride + (b - b0) * s_.block_size * key_stride;
       auto add_key = [&](vfloat(&rs)[kR][kC], int j) {
-        const T* vj = v + static_cast<int64_t>(j) * kD;
+        const C* vj = v + static_cast<int64_t>(j) * kD;
         if (ahead) prefetch(ahead + static_cast<int64_t>(j) * kD, kD);
 #pragma GCC unroll 8
         for (int c = 0; c < kC; ++c) {
-          const vfloat vc = load_as_float(vj + c * kLanes);
+          const vfloat vc = kQuant ? load_as_float(vj + c * kLanes) * vs : load_as_float(vj + c * kLanes);
 #pragma GCC unroll 4
           for (int m = 0; m < kR; ++m) rs[m][c] += splat(p[m * row_stride + j * key_stride]) * vc;
         }
@@ -628,7 +653,7 @@ class ItemRunner {
   const Shape& s_;
   const int d_;
   const T* q_;
-  const T* cache_;
+  const C* cache_;
   T* out_;
   const int64_t span_blocks_;  // narrow items: blocks per online-softmax step
   const int key_stride_;       // narrow scores: a row's keys of a span, padded to whole vectors
@@ -642,6 +667,9 @@ class ItemRunner {
   int32_t seen_by_all_lo_ = 0, seen_by_all_hi_ = -1;  // the keys every row sees
   int64_t lo_min_ = 0, hi_max_ = -1;                   // the keys some row sees
   float max_[kLanes], sum_[kLanes], alpha_[kLanes];
+  const CodeReader codes_;
+  const float* k_scales_ = nullptr;  // quantized: this item's kv head's scales, by block id
+  const float* v_scales_ = nullptr;
 };
 
 // Items of one request: its query tokens in tiles, per kv head (and per head chunk when the group
@@ -701,27 +729,48 @@ std::vector<Request> read_requests(const at::Tensor& block_table, const at::Tens
   return reqs;
 }
 
-Shape read_shape(const at::Tensor& q, const at::Tensor& cache, int64_t window, double scale, double softcap) {
+// A quantized cache's format from its dtype (kNoQuant: not one).
+int32_t quant_of(const at::Tensor& cache) {
+  switch (cache.scalar_type()) {
+    case at::kChar: return kInt8;
+    case at::kFloat8_e4m3fn: return kFp8E4M3;
+    case at::kFloat8_e5m2: return kFp8E5M2;
+    default: return kNoQuant;
+  }
+}
+
+Shape read_shape(const at::Tensor& q, const at::Tensor& cache, int64_t window, double scale, double softcap,
+                 const std::optional<at::Tensor>& kv_scales) {
   TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "paged_attention_cpu: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [tokens, heads, head_size] with contiguous heads");
   TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous(),
               "cache must be a contiguous [2, kv_heads, num_blocks, block_size, head_size] tensor");
-  TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "q and cache must share a dtype");
+  TORCH_CHECK(kv_scales.has_value() || q.scalar_type() == cache.scalar_type(), "q and cache must share a dtype");
   TORCH_CHECK(q.size(2) == cache.size(4), "q and cache head sizes differ");
   TORCH_CHECK(q.size(1) % cache.size(1) == 0, "heads must be a multiple of kv heads");
   TORCH_CHECK(window == -1 || window > 0, "window must be -1 (none) or positive");
-  return {q.size(1), cache.size(1), q.size(1) / cache.size(1), q.size(2), cache.size(3), cache.size(2),
+  Shape s{q.size(1), cache.size(1), q.size(1) / cache.size(1), q.size(2), cache.size(3), cache.size(2),
           q.stride(0), q.stride(1), window, static_cast<float>(scale), static_cast<float>(softcap)};
+  if (kv_scales.has_value()) {
+    const at::Tensor& sc = *kv_scales;
+    s.quant = quant_of(cache);
+    TORCH_CHECK(s.quant != kNoQuant, "a cache with scales must be int8, float8_e4m3fn or float8_e5m2");
+    TORCH_CHECK(sc.is_cpu() && sc.scalar_type() == at::kFloat && sc.is_contiguous() && sc.dim() == 3 &&
+                    sc.size(0) == 2 && sc.size(1) == s.kv_heads && sc.size(2) == s.num_blocks,
+                "kv_scales must be a contiguous fp32 [2, kv_heads, num_blocks] tensor");
+    s.scales = sc.data_ptr<float>();
+  }
+  return s;
 }
 
-template <typename T, int kD>
+template <typename T, typename C, int kD>
 void run_items(const Shape& s, const std::vector<Item>& items, const std::vector<Request>& reqs, const T* q,
-               const T* cache, T* out) {
+               const C* cache, T* out) {
   std::atomic<size_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
-      ItemRunner<T, kD> runner(s, q, cache, out);
+      ItemRunner<T, C, kD> runner(s, q, cache, out);
       for (size_t i = next.fetch_add(1); i < items.size(); i = next.fetch_add(1)) {
         runner.run(items[i], reqs[items[i].req]);
       }
@@ -729,23 +778,52 @@ void run_items(const Shape& s, const std::vector<Item>& items, const std::vector
   });
 }
 
-template <typename T>
+template <typename T, typename C>
 void dispatch_head_size(const Shape& s, const std::vector<Item>& items, const std::vector<Request>& reqs,
-                        const T* q, const T* cache, T* out) {
+                        const T* q, const C* cache, T* out) {
   switch (s.head_size) {
-    case 32: return run_items<T, 32>(s, items, reqs, q, cache, out);
-    case 64: return run_items<T, 64>(s, items, reqs, q, cache, out);
-    case 128: return run_items<T, 128>(s, items, reqs, q, cache, out);
-    default: return run_items<T, 0>(s, items, reqs, q, cache, out);
+    case 32: return run_items<T, C, 32>(s, items, reqs, q, cache, out);
+    case 64: return run_items<T, C, 64>(s, items, reqs, q, cache, out);
+    case 128: return run_items<T, C, 128>(s, items, reqs, q, cache, out);
+    default: return run_items<T, C, 0>(s, items, reqs, q, cache, out);
   }
+}
+
+// Quantized writes: per request, per block its new tokens reach, per K/V and kv head, the block's new rows.
+template <typename T>
+void write_quantized(const Shape& s, const std::vector<Request>& reqs, const at::Tensor& k, const at::Tensor& v,
+                     at::Tensor& cache) {
+  const int64_t D = s.head_size, BS = s.block_size, kv_stride = s.num_blocks * BS * D;
+  uint8_t* codes = static_cast<uint8_t*>(cache.data_ptr());
+  float* scales = const_cast<float*>(s.scales);
+  at::parallel_for(0, static_cast<int64_t>(reqs.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> rows(BS * D);
+    for (int64_t r = begin; r < end; ++r) {
+      const Request& rq = reqs[r];
+      for (int64_t pos = rq.num_computed; pos < rq.seq_len;) {
+        const int64_t start = pos % BS, n = std::min(BS - start, rq.seq_len - pos);
+        const int64_t block = rq.blocks[pos / BS], t0 = rq.q_start + pos - rq.num_computed;
+        for (int64_t i = 0; i < 2 * s.kv_heads; ++i) {  // K's heads, then V's
+          const at::Tensor& x = i < s.kv_heads ? k : v;
+          const int64_t h = i % s.kv_heads;
+          for (int64_t t = 0; t < n; ++t) {
+            to_float(x.data_ptr<T>() + (t0 + t) * x.stride(0) + h * x.stride(1), rows.data() + t * D, D);
+          }
+          quantize_into_block(rows.data(), n, D, start, codes + i * kv_stride + block * BS * D,
+                              scales + i * s.num_blocks + block, s.quant);
+        }
+        pos += n;
+      }
+    }
+  });
 }
 
 }  // namespace
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
                               const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t window,
-                              double scale, double softcap) {
-  const Shape s = read_shape(q, cache, window, scale, softcap);
+                              double scale, double softcap, const std::optional<at::Tensor>& kv_scales) {
+  const Shape s = read_shape(q, cache, window, scale, softcap, kv_scales);
   const std::vector<Request> reqs = read_requests(block_table, query_start_loc, seq_lens, q.size(0), s, false);
   std::vector<Item> items;
   for (int32_t r = 0; r < static_cast<int32_t>(reqs.size()); ++r) {
@@ -754,23 +832,35 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   auto out = at::empty({q.size(0), s.heads * s.head_size}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
-    dispatch_head_size<scalar_t>(s, items, reqs, q.data_ptr<scalar_t>(), cache.data_ptr<scalar_t>(),
-                                 out.data_ptr<scalar_t>());
+    if (s.quant != kNoQuant) {
+      dispatch_head_size<scalar_t, uint8_t>(s, items, reqs, q.data_ptr<scalar_t>(),
+                                            static_cast<const uint8_t*>(cache.data_ptr()), out.data_ptr<scalar_t>());
+    } else {
+      dispatch_head_size<scalar_t, scalar_t>(s, items, reqs, q.data_ptr<scalar_t>(), cache.data_ptr<scalar_t>(),
+                                             out.data_ptr<scalar_t>());
+    }
   });
   return out;
 }
 
-// Writes this step's K/V ([tokens, kv_heads, head_size]) at their slots, found through the block table.
+// Writes this step's K/V ([tokens, kv_heads, head_size]) at their slots, found through the block table
+// (quantized, with kv_scales, for a quantized cache).
 void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
                        const at::Tensor& block_table, const at::Tensor& query_start_loc,
-                       const at::Tensor& seq_lens) {
+                       const at::Tensor& seq_lens, const std::optional<at::Tensor>& kv_scales) {
   TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.sizes() == k.sizes() && v.stride(2) == 1,
               "k and v must be [tokens, kv_heads, head_size] with contiguous heads");
-  TORCH_CHECK(k.scalar_type() == cache.scalar_type() && v.scalar_type() == cache.scalar_type(),
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (kv_scales.has_value() || k.scalar_type() == cache.scalar_type()),
               "k, v and cache must share a dtype");
-  const Shape s = read_shape(k, cache, -1, 1.0, 0.0);
+  const Shape s = read_shape(k, cache, -1, 1.0, 0.0, kv_scales);
   TORCH_CHECK(k.size(1) == s.kv_heads, "k must have the cache's kv heads");
   const std::vector<Request> reqs = read_requests(block_table, query_start_loc, seq_lens, k.size(0), s, true);
+  if (s.quant != kNoQuant) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "reshape_and_cache_cpu", [&] {
+      write_quantized<scalar_t>(s, reqs, k, v, cache);
+    });
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "reshape_and_cache_cpu", [&] {
     const int64_t D = s.head_size, BS = s.block_size, kv_stride = s.num_blocks * BS * D;
     scalar_t* dst = cache.data_ptr<scalar_t>();
