@@ -49,14 +49,16 @@ def apply_logits_processors(x: torch.Tensor, meta: SamplingMetadata) -> torch.Te
 
 
 def apply_penalties(x: torch.Tensor, p: Penalties) -> None:
-    """vLLM's penalties: the repetition penalty divides a positive logit and multiplies a negative one of every
-    token in the prompt or the outputs; then frequency x count and presence x (count > 0) are subtracted."""
-    rows = x.index_select(0, p.positions)
-    seen = p.seen.index_select(0, p.rows)
-    rows = torch.where(seen, torch.where(rows > 0, rows / p.repetition, rows * p.repetition), rows)
-    counts = p.counts.index_select(0, p.rows).to(rows.dtype)
-    rows -= counts * p.frequency + (counts > 0).to(rows.dtype) * p.presence
-    x.index_copy_(0, p.positions, rows)
+    """vLLM's penalties, on the logits of the tokens each row has seen only: the repetition penalty divides a
+    positive logit and multiplies a negative one of every token in the prompt or the outputs; then frequency x
+    count and presence x (count > 0) are subtracted (counts of outputs only). A row's padding repeats one of its
+    tokens, so its writes agree."""
+    flat = (p.positions.unsqueeze(1) * x.shape[1] + p.seen.token_ids).view(-1)
+    logits = x.view(-1).index_select(0, flat).view(p.seen.token_ids.shape)
+    logits = torch.where(logits > 0, logits / p.repetition, logits * p.repetition)
+    counts = p.seen.output_counts
+    logits -= counts * p.frequency + (counts > 0).to(logits.dtype) * p.presence
+    x.view(-1).index_copy_(0, flat, logits.view(-1))
 
 
 def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 A request's parameters are written once, when it is added (new, or resumed after a preemption with its outputs
 replayed); each step `metadata` gathers the sampling rows' values with numpy/torch indexing, and `record` counts
 the sampled tokens. Nothing loops over requests or the vocabulary per step, except drawing seeded noise, which
-takes one generator per seeded row. What needs a [rows, vocab] tensor (logit bias and allowed ids; the counts
+takes one generator per seeded row. What needs a [rows, vocab] tensor (logit bias and allowed ids; the token lookup
 behind the penalties) is allocated the first time a request uses it, so a batch that uses none pays nothing.
 """
 
@@ -13,21 +13,20 @@ import numpy as np
 import torch
 
 from protocol import SamplingParams
+from worker.penalty_state import PenaltyState, SeenTokens
 
 NO_TOKEN = -1  # an empty place in a row's recent outputs (no token id matches it)
 
 
 @dataclass
 class Penalties:
-    """The penalised sampling rows: their batch positions, block table rows and penalties ([P, 1])."""
+    """The penalised sampling rows: their batch positions and penalties ([P, 1])."""
 
     positions: torch.Tensor
-    rows: torch.Tensor
     repetition: torch.Tensor
     frequency: torch.Tensor
     presence: torch.Tensor
-    counts: torch.Tensor  # [max rows, vocab] int32: times each token was generated
-    seen: torch.Tensor  # [max rows, vocab] bool: in the prompt or generated
+    seen: SeenTokens  # each row's distinct prompt and output tokens, and their output counts
 
 
 @dataclass
@@ -72,8 +71,7 @@ class SamplingState:
         self.penalised, self.has_additive = np.zeros(n, bool), np.zeros(n, bool)
         self.num_output, self.min_tokens = np.zeros(n, np.int64), np.zeros(n, np.int64)
         self.additive: torch.Tensor | None = None
-        self.counts: torch.Tensor | None = None
-        self.seen: torch.Tensor | None = None
+        self.penalties: PenaltyState | None = None
         self.stop_ids: dict[int, list[int]] = {}  # rows with min_tokens: the ids barred until it is reached
         self.bad_words: dict[int, list[list[int]]] = {}  # rows with bad words of two or more tokens
         self.watched = np.zeros(n, bool)  # the rows of bad_words
@@ -98,26 +96,23 @@ class SamplingState:
 
     def remove(self, row: int) -> None:
         """A finished or preempted request's row: it stops costing anything in later steps."""
+        if self.penalised[row]:
+            assert self.penalties is not None
+            self.penalties.remove(row)
         self.penalised[row] = self.has_additive[row] = False
         self._remove_sparse(row)
 
     def _add_penalties(self, row: int, params: SamplingParams, prompt: list[int], outputs: list[int]) -> None:
+        if self.penalised[row]:
+            assert self.penalties is not None
+            self.penalties.remove(row)
         self.penalised[row] = params.has_penalties
         self.repetition[row] = params.repetition_penalty
         self.frequency[row], self.presence[row] = params.frequency_penalty, params.presence_penalty
-        if not params.has_penalties:
-            return
-        if self.counts is None or self.seen is None:
-            shape = (self.max_num_reqs, self.vocab_size)
-            self.counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
-            self.seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
-        self.counts[row].zero_()
-        self.seen[row].zero_()
-        self.seen[row, self._ids(prompt)] = True
-        if outputs:
-            out = self._ids(outputs)
-            self.counts[row].index_put_((out,), torch.ones_like(out, dtype=torch.int32), accumulate=True)
-            self.seen[row, out] = True
+        if params.has_penalties:
+            if self.penalties is None:
+                self.penalties = PenaltyState(self.max_num_reqs, self.vocab_size, self.device)
+            self.penalties.add(row, prompt, outputs)
 
     def _add_additive(self, row: int, params: SamplingParams) -> None:
         """logit_bias, allowed_token_ids and one-token bad words: one row added to the logits."""
@@ -197,10 +192,8 @@ class SamplingState:
         self.num_output[rows] += 1
         penalised = np.flatnonzero(self.penalised[rows])
         if penalised.size:
-            assert self.counts is not None and self.seen is not None
-            r, tokens = self._tensor(rows[penalised]), token_ids[self._tensor(penalised)]
-            self.counts.index_put_((r, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
-            self.seen[r, tokens] = True
+            assert self.penalties is not None
+            self.penalties.record(rows[penalised], token_ids[self._tensor(penalised)])
         if self.bad_words:
             watched = np.flatnonzero(self.watched[rows])
             if watched.size:
@@ -222,11 +215,11 @@ class SamplingState:
         positions = np.flatnonzero(self.penalised[rows])
         if not positions.size:
             return None
-        assert self.counts is not None and self.seen is not None
+        assert self.penalties is not None
         r = rows[positions]
-        return Penalties(self._tensor(positions), self._tensor(r), self._tensor(self.repetition[r, None]),
+        return Penalties(self._tensor(positions), self._tensor(self.repetition[r, None]),
                          self._tensor(self.frequency[r, None]), self._tensor(self.presence[r, None]),
-                         self.counts, self.seen)
+                         self.penalties.gather(r))
 
     def _banned(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(positions, token ids) to bar this step: min_tokens not reached yet, bad words whose prefix was just

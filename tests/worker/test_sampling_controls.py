@@ -175,7 +175,7 @@ def test_rows_without_controls_are_untouched_and_pay_nothing():
     plain = state_of([SamplingParams(temperature=0.5, top_k=3)] * 2, [[1]] * 2, [[2]] * 2)
     meta = plain.metadata(np.arange(2))
     assert not meta.processes_logits and meta.min_p is None
-    assert plain.counts is None and plain.additive is None  # no [rows, vocab] tensor was made
+    assert plain.penalties is None and plain.additive is None  # no [rows, vocab] tensor was made
 
 
 def test_state_of_a_resumed_request_equals_the_state_built_step_by_step():
@@ -232,3 +232,23 @@ def test_seeded_sampling_draws_from_the_processed_distribution():
     probs /= probs.sum()
     assert counts[6] == 0  # below min_p
     assert 0.5 * np.abs(counts - probs[0].numpy()).sum() < 0.02
+
+
+def test_penalties_over_more_distinct_tokens_than_the_lists_first_width():
+    """A 600-token prompt and new output tokens: the per-row lists grow, and every seen token is penalised."""
+    vocab = 1000
+    prompt = list(range(0, 600))
+    p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5)
+    state = state_of([p, p], [prompt, [5]], [[700], [6]], vocab=vocab)
+    for token in (701, 700, 5):
+        state.record(np.array([0, 1]), torch.tensor([token, 999]))
+    x = logits(2, vocab=vocab).abs() + 1  # positive: divided by the repetition penalty
+    got = processed(x, state)
+    counts = {700: 2, 701: 1, 5: 1}
+    for t in range(vocab):
+        seen = t < 600 or t in counts
+        expected = x[0, t] / 2.0 - 0.5 * counts.get(t, 0) if seen else x[0, t]
+        assert got[0, t] == pytest.approx(float(expected), rel=1e-6)
+    assert got[1, 999] == pytest.approx(float(x[1, 999] / 2.0 - 1.5), rel=1e-6)
+    state.remove(0)
+    assert state.penalties is not None and int((state.penalties.slot_of[0] >= 0).sum()) == 0
