@@ -3,8 +3,8 @@
 import argparse
 from pathlib import Path
 
-from launch.commands.serve import add_serve_parser
 from launch.commands.config_args import flags_markdown
+from launch.commands.serve import add_serve_parser
 
 DOC = Path(__file__).parents[2] / "docs" / "flags.md"
 
