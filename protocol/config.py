@@ -47,6 +47,11 @@ class ModelConfig(_Area, frozen=True):
         "is not installed)")] = "auto"
     enforce_eager: Annotated[bool, setting(
         "CUDA: run every step eagerly instead of replaying CUDA graphs captured for decode batch sizes")] = False
+    model_impl: Annotated[Literal["auto", "native", "transformers"], setting(
+        "which implementation serves the model. native: kvengine's own (Llama, Qwen2, Qwen3, Mistral, Phi-3, "
+        "SmolLM3, Gemma 2 and 3, Qwen3-MoE, Mixtral, OLMoE): fused CPU ops, tensor parallel; transformers: any causal "
+        "LM transformers can build from a Hugging Face folder, its attention through kvengine's paged attention "
+        "(needs kvengine[transformers]; tensor parallel size 1); auto: native where there is one")] = "auto"
 
 
 class CacheConfig(_Area, frozen=True):

@@ -20,7 +20,8 @@ tomllib = pytest.importorskip("tomllib", reason="reads pyproject.toml with Pytho
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("protocol", "engine_core", "worker", "launch")
-EXTRA_OF = {"triton": "cuda", "gguf": "gguf", "matplotlib": "plot"}  # imported only where that extra serves
+EXTRA_OF = {"triton": "cuda", "gguf": "gguf", "matplotlib": "plot",  # imported only where that extra serves
+            "transformers": "transformers"}
 
 
 def normalized(name: str) -> str:

@@ -13,7 +13,7 @@ from worker.block_table import BlockTables
 from worker.input_buffers import StepBuffers
 from worker.kv_quant import KVCache, allocate
 from worker.memory import cpu_zeros_huge_pages
-from worker.model.llama import LlamaModel
+from worker.model.base import CausalLM
 
 
 @dataclass(slots=True)
@@ -34,7 +34,7 @@ class KVState:
 
 def make_kv_state(
     cfg: KVCacheConfig,
-    model: LlamaModel,
+    model: CausalLM,
     layer_index: dict[str, int],
     dtype: torch.dtype,
     device: torch.device,
@@ -86,7 +86,7 @@ def _allocate_kv(groups: Sequence[KVCacheGroupSpec], shape: tuple[int, ...], dty
     return [zeros(shape, dtype) for _ in range(num_tensors)]
 
 
-def _layer_slots(groups: Sequence[KVCacheGroupSpec], layer_index: dict[str, int], model: LlamaModel,
+def _layer_slots(groups: Sequence[KVCacheGroupSpec], layer_index: dict[str, int], model: CausalLM,
                  windows: list[int | None]) -> list[tuple[int, int]]:
     """Per layer: (group, tensor), from the layer names the config's groups carry back."""
     slots: dict[int, tuple[int, int]] = {}  # layer index -> (group, tensor)
@@ -104,7 +104,7 @@ def _layer_slots(groups: Sequence[KVCacheGroupSpec], layer_index: dict[str, int]
     return layer_slots
 
 
-def _make_attention(backend: BackendName, block_size: int, max_model_len: int, model: LlamaModel,
+def _make_attention(backend: BackendName, block_size: int, max_model_len: int, model: CausalLM,
                     dtype: torch.dtype, device: torch.device) -> Attention:
     if backend == "cpu":
         return CpuKernelAttention(block_size)

@@ -13,7 +13,7 @@ from worker.attention_backends import BackendName
 from worker.block_table import BlockTableMismatch
 from worker.cuda_graphs import CudaGraphs, decode_bucket
 from worker.kv_state import KVState, make_kv_state, padded_num_tokens
-from worker.model.llama import LlamaModel
+from worker.model.base import CausalLM
 from worker.prompt_logprobs import PromptLogprobs
 from worker.sampler import sample, token_logprobs
 from worker.sampling_state import SamplingState
@@ -28,7 +28,7 @@ class RequestState:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, max_num_seqs: int, max_model_len: int, check_block_tables: bool,
+    def __init__(self, model: CausalLM, max_num_seqs: int, max_model_len: int, check_block_tables: bool,
                  attention_backend: BackendName = "torch", max_num_batched_tokens: int = 2048,
                  cuda_graph_sizes: list[int] | None = None):
         """cuda_graph_sizes: decode batches are padded to these sizes, whose graphs are captured on CUDA; on the

@@ -28,7 +28,7 @@ from worker.kv_connector.disk import DiskConnectorWorker
 from worker.kv_connector.factory import make_kv_connector_worker
 from worker.kv_connector.fingerprint import kv_fingerprint
 from worker.kv_quant import resolve_kv_quant
-from worker.model.loader import build_native, load_model
+from worker.model.loader import load_model
 from worker.model_runner import ModelRunner
 from worker.ops.cpu_attention import cpu_has_bf16, load_extension
 from worker.parallel import TPGroup
@@ -74,17 +74,18 @@ class Worker:
         self.block_size = config.cache.block_size
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.kv_cache_memory_bytes = config.kv_cache_memory_bytes_of(rank)
-        cfg, weights = load_model(config.model.model, tp_size)
-        self.max_model_len = config.model.max_model_len or cfg.max_position_embeddings
+        loaded = load_model(config.model.model, tp_size, config.model.model_impl)
+        self.max_model_len = config.model.max_model_len or loaded.cfg.max_position_embeddings
         self.tp = TPGroup.init(rank, tp_size, self.device, dist_init_method)
         weights_before = self._allocated()
         # The backend is chosen first: with the CPU kernels, the model's norms, rotary and silu * up use them too.
         backend = resolve_backend(config.model.attention_backend, self.device)
         ops = load_extension() if backend == "cpu" else None
-        self.model = build_native(cfg, weights, self.tp, self.max_model_len, self.dtype, self.device, ops)
+        self.model = loaded.build(self.tp, self.max_model_len, self.dtype, self.device, ops)
         self.weights_bytes = self._allocated() - weights_before
         max_num_seqs = config.scheduler.max_num_seqs
-        graph_sizes = cuda_graph_sizes(self.device, config.model.enforce_eager, backend, tp_size, max_num_seqs)
+        eager = config.model.enforce_eager or not self.model.cuda_graphs
+        graph_sizes = cuda_graph_sizes(self.device, eager, backend, tp_size, max_num_seqs)
         self.runner = ModelRunner(self.model, max_num_seqs, self.max_model_len, config.scheduler.check_block_tables,
                                   backend, self.max_num_batched_tokens, graph_sizes)
         log.info("rank %d: %s, KV cache %s, attention backend %s", rank, str(self.dtype).removeprefix("torch."),

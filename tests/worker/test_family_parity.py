@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from engine_core.core import EngineCore
-from protocol import EngineCoreRequest, SamplingParams
 from protocol.config import engine_config
-from tests.worker.family_support import FAMILY_SPECS, build_family
+from tests.worker.family_support import FAMILY_SPECS, build_family, run_engine
 from tests.worker.harness import Driver, hf_greedy, kv_config
 from tests.worker.parity_support import BACKENDS, MAX_NEW, RAGGED, make_worker, prompts
 from worker.inproc_executor import InProcExecutor
@@ -45,21 +44,6 @@ def test_second_wave_on_cached_prefix_blocks_matches_transformers(family):
     driver.run(first, 3)
     assert driver.run(second, MAX_NEW) == hf_greedy(folder, second, MAX_NEW)
     assert driver.num_prefix_hit_tokens >= 32 + 64
-
-
-def run_engine(engine: EngineCore, waves: list[list[list[int]]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    outs = []
-    for w, wave in enumerate(waves):
-        got: dict[str, list[int]] = {f"{w}-{i}": [] for i in range(len(wave))}
-        for i, p in enumerate(wave):
-            engine.add_request(EngineCoreRequest(f"{w}-{i}", p, params, arrival_time=0.0))
-        while engine.has_work():
-            for o in engine.step().outputs:
-                assert o.error is None, o.error
-                got[o.request_id] += o.new_token_ids
-        outs += got.values()
-    return outs
 
 
 def test_engine_with_preemption_chunks_and_prefix_cache_matches_transformers(family):

@@ -67,6 +67,11 @@ class LlamaModel:
     def kv_heads_per_rank(self) -> int:
         return self.cfg.num_key_value_heads // self.tp.size
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether its decode steps can be captured: not with MoE layers, whose routing reads counts on the host."""
+        return not any(self.cfg.layer_moe)
+
     def forward(
         self,
         input_ids: torch.Tensor,
