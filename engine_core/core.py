@@ -24,6 +24,7 @@ from protocol import (
     WorkerKVReport,
 )
 from protocol.config import EngineConfig
+from protocol.kv_transfer import KVTierStats
 from protocol.sizes import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -145,6 +146,11 @@ class EngineCore:
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+    def get_tier_stats(self) -> list[KVTierStats]:
+        """The second KV tier's totals (none without one): for the metrics, in this process, off the wire."""
+        connector = self.scheduler.kv_connector
+        return [] if connector is None else [connector.stats()]
 
     def info(self) -> EngineInfo:
         config = self.kv_cache_config

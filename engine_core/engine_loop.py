@@ -54,6 +54,7 @@ class EngineLoop:
                 stats = self.engine.get_stats()
                 if self.metrics is not None:
                     self.metrics.update_stats(stats)
+                    self.metrics.update_tier_stats(self.engine.get_tier_stats())
                 self.stats_logger.maybe_log(stats)
 
     def apply_inbox(self) -> None:

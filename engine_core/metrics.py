@@ -10,9 +10,11 @@ from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
+from engine_core.kv_connector.metrics import KVTierMetrics
 from engine_core.safe_log import safe_for_log
 from engine_core.vllm_metrics import VllmMetrics
 from protocol import EngineCoreOutput, SchedulerStats
+from protocol.kv_transfer import KVTierStats
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class EngineMetrics:
         self.itl = Histogram(p + "inter_token_latency_seconds", "Time between two outputs of a request",
                              buckets=LATENCY_BUCKETS, registry=r)
         self._last = SchedulerStats()
+        self.tiers: KVTierMetrics | None = None  # made with the first second tier's stats: no tier, no series
         self._arrival: dict[str, float] = {}
         self._last_token: dict[str, float] = {}
         self.server: MetricsServer | None = None
@@ -88,6 +91,13 @@ class EngineMetrics:
             counter.inc(delta)
             vllm_counter.inc(delta)
         self._last = stats
+
+    def update_tier_stats(self, tiers: list[KVTierStats]) -> None:
+        """The second KV tiers' totals (engine_core/kv_connector/metrics.py)."""
+        if tiers and self.tiers is None:
+            self.tiers = KVTierMetrics(self.registry)
+        if self.tiers is not None:
+            self.tiers.update(tiers)
 
     def on_arrival(self, request_id: str) -> None:
         self._arrival[request_id] = time.monotonic()

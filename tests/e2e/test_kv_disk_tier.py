@@ -1,15 +1,20 @@
 """The disk tier through real `kvengine serve` processes (float32, the built-in model): prompts sharing a long
 prefix are served, the server is stopped with SIGTERM and started again on the same folder, and the first request
 after the restart reports the prefix as cached with the first run's tokens; under -dp 2 a prefix one engine core
-computed is a hit for the other."""
+computed is a hit for the other; over HTTP, `usage` counts the prompt tokens the tier served as cached and /metrics
+counts them as the tier's hits."""
 
 import asyncio
 import signal
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from launch.client import AsyncEngineClient
 from protocol import SamplingParams
 from protocol.kv_store.index import BlockIndex
 from tests.e2e.conftest import wait_exit, wait_until
+from tests.e2e.openai_server import start_api_server
 from tests.e2e.serve_support import FP32, collect
 
 BLOCK = 16
@@ -64,3 +69,31 @@ def test_dp2_engines_share_the_tier(start_server, tmp_path):
         index.close()
     (tokens1, cached1), = serve_in_turn(server.address, [PREFIX + [7]])
     assert cached1 == 20 * BLOCK and tokens1 == tokens0, server.output()
+
+
+def tier_hits(port: int) -> float | None:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    return next((s.value for family in text_string_to_metric_families(text) for s in family.samples
+                 if s.name == "kvengine:kv_tier_hits_total" and s.labels == {"medium": "DISK"}), None)
+
+
+def complete_and_stop(start_server, disk: str, body: dict, hits: int) -> dict:
+    """One completion on a fresh server over the tier; once /metrics shows `hits` tier hits, SIGTERM."""
+    api = start_api_server(start_server, *FLAGS, "--kv-disk-path", disk)
+    status, answer = api.request("POST", "/v1/completions", body)
+    assert status == 200, answer
+    assert wait_until(lambda: tier_hits(api.port) == hits), api.server.output()
+    api.server.proc.send_signal(signal.SIGTERM)
+    assert wait_exit(api.server.proc, 60) == 0, api.server.output()
+    return answer
+
+
+def test_http_usage_and_metrics_count_the_tiers_hits_after_a_restart(start_server, tmp_path):
+    disk = str(tmp_path / "tier")
+    body = {"model": "tiny", "prompt": PREFIX + [7], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    first = complete_and_stop(start_server, disk, body, 0)
+    second = complete_and_stop(start_server, disk, body, 20 * BLOCK)  # the prefix comes from disk
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 20 * BLOCK
+    assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
