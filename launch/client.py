@@ -6,7 +6,10 @@
 
 Leaving the loop early (break, cancellation) aborts the request in the engine. Until the server
 has answered once, a call raises EngineDeadError after `connect_timeout` seconds without an answer
-(so a wrong address fails instead of hanging); afterwards a lost connection raises it.
+(so a wrong address fails instead of hanging); afterwards a lost connection raises it, and so does a
+server that answers no heartbeat for `heartbeat_timeout` seconds (stopped, or its host unreachable).
+No call waits on a server that is gone: close() returns whatever the server does, and ends the calls
+still waiting on the client with EngineDeadError.
 """
 
 import asyncio
@@ -15,13 +18,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from launch.parallel_sampling import ParentRequest, fan_out
 from protocol import (
     EngineCoreAbort,
     EngineCoreGetStats,
@@ -52,9 +54,6 @@ class RequestOutput:
     num_cached_tokens: int
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per new token, with SamplingParams(logprobs=k)
-    # with SamplingParams(prompt_logprobs=k), on the first output: one per prompt token from the second on
-    prompt_logprobs: list[TokenLogprobs] | None = None
-    index: int = 0  # which of the n sequences (SamplingParams.n > 1)
 
     @property
     def finished(self) -> bool:
@@ -62,15 +61,21 @@ class RequestOutput:
 
 
 class AsyncEngineClient:
-    def __init__(self, address: str, connect_timeout: float | None = 10.0) -> None:
+    def __init__(self, address: str, connect_timeout: float | None = 10.0, heartbeat_timeout: float = 30.0) -> None:
         """connect_timeout: until the server has answered once, a call that gets no answer within this many
-        seconds raises EngineDeadError (None: wait as long as it takes, e.g. while a server starts)."""
+        seconds raises EngineDeadError (None: wait as long as it takes, e.g. while a server starts).
+        heartbeat_timeout: a connected server that answers no ZeroMQ heartbeat for this many seconds is dead
+        (the server's I/O thread answers them, also while its engine is busy)."""
+        if not heartbeat_timeout > 0:
+            raise ValueError(f"heartbeat_timeout must be > 0, got {heartbeat_timeout}")
         self.address = address
         self.connect_timeout = connect_timeout
+        self.heartbeat_timeout = heartbeat_timeout
+        self._ctx: zmq.asyncio.Context | None = None
+        self._closed = False
         self._seen = False
         self._probe: asyncio.Task | None = None
         self._queues: dict[str, asyncio.Queue] = {}
-        self._parents: dict[str, ParentRequest] = {}  # n > 1 requests in flight, by their id
         self._stats_waiters: list[asyncio.Future] = []
         self._reset_waiters: list[asyncio.Future] = []
         self._tasks: list[asyncio.Task] = []
@@ -86,17 +91,40 @@ class AsyncEngineClient:
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
+        self._died = asyncio.get_running_loop().create_future()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # A ping goes out within half the timeout of the last traffic and waits half the timeout for any answer.
+        half_ms = max(1, round(self.heartbeat_timeout * 500))
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, half_ms)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, half_ms)
+        self._monitor = _monitor_socket(self._ctx, self._sock, zmq.EVENT_DISCONNECTED)
         self._sock.connect(self.address)
-        self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch(monitor))]
+        self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch())]
 
     async def close(self) -> None:
+        """End every call still waiting (EngineDeadError) and release the sockets; returns whatever the server does."""
+        if self._ctx is None or self._closed:
+            return
+        self._closed = True
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._sock.disable_monitor()
+        try:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Fail what waits, then close the sockets and the context, the monitor stopped before its reader closes:
+        libzmq's I/O thread sends each event with a blocking send, so an event that finds no reader would block
+        that thread, and with it disable_monitor and term."""
+        self._fail("the client is closed")
+        assert self._ctx is not None
+        if self._ctx.closed:
+            return
+        if not self._sock.closed:
+            self._sock.disable_monitor()
+        self._monitor.close()
         self._sock.close()
         self._ctx.term()
 
@@ -109,37 +137,19 @@ class AsyncEngineClient:
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; the last one has finish_reason set. With n > 1 (or best_of) the outputs of
-        its n sequences come interleaved, each with its index, and the stream ends once all have finished."""
+        """Stream a request's outputs; the last one has finish_reason set."""
         await self._connect(self.connect_timeout)
         request_id = request_id or uuid.uuid4().hex
-        params = sampling_params or SamplingParams()
-        if request_id in self._parents:
-            raise ValueError(f"request id {request_id!r} is already in flight on this client")
-        if params.num_sequences > 1:
-            parent = self._parents[request_id] = ParentRequest(request_id, params)
-            stream = fan_out(parent, lambda p, rid: self._generate_one(prompt_token_ids, p, rid, cache_salt, priority))
-        else:
-            stream = self._generate_one(prompt_token_ids, params, request_id, cache_salt, priority)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            self._parents.pop(request_id, None)
-            await stream.aclose()  # type: ignore[attr-defined]  # its request is aborted now if it has not finished
-
-    async def _generate_one(self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str,
-                            cache_salt: str | None, priority: int) -> AsyncIterator[RequestOutput]:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight on this client")
         request = EngineCoreRequest(  # raises ValueError for an id, prompt or priority out of bounds
-            request_id, list(prompt_token_ids), sampling_params, time.time(), cache_salt, priority
+            request_id, list(prompt_token_ids), sampling_params or SamplingParams(), time.time(), cache_salt, priority
         )
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         finished = False
         try:
-            await self._sock.send(self._request_codec.encode(request))
+            await self._send(self._request_codec.encode(request))
             while not finished:
                 item = await queue.get()
                 if isinstance(item, EngineDeadError):
@@ -161,10 +171,24 @@ class AsyncEngineClient:
         sent.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request in the engine (every child of an n > 1 request)."""
-        parent = self._parents.get(request_id)
-        ids = [request_id] if parent is None else [parent.child_id(i) for i in range(parent.num_children)]
-        await self._sock.send(self._request_codec.encode(EngineCoreAbort(ids)))
+        await self._send(self._request_codec.encode(EngineCoreAbort([request_id])))
+
+    async def _send(self, frame: bytes) -> None:
+        """Send, or raise EngineDeadError once the server is gone: a send that waits for room in the pipe to a
+        dead server would wait forever (ZeroMQ keeps the pipe for a reconnect that never comes)."""
+        self._check_alive()
+        sending = asyncio.ensure_future(self._sock.send(frame))  # done at once unless the pipe is full
+        if sending.done():
+            sending.result()
+            return
+        try:
+            await asyncio.wait([sending, self._died], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not sending.done():
+                sending.cancel()
+        if sending.cancelled():
+            self._check_alive()
+        sending.result()
 
     async def get_stats(self) -> SchedulerStats:
         """A snapshot of the engine core's counters; also a readiness check (answered once it serves)."""
@@ -172,10 +196,20 @@ class AsyncEngineClient:
         return await self._request_stats()
 
     async def _request_stats(self) -> SchedulerStats:
+        return await self._ask(self._stats_waiters, self._request_codec.encode(EngineCoreGetStats()))
+
+    async def _ask(self, waiters: list[asyncio.Future], frame: bytes) -> Any:
+        """Send a request that the server answers in order (stats, reset) and wait for its answer.
+        A request that was never sent leaves no waiter behind, or a later call would wait for its answer."""
         self._check_alive()
         waiter = asyncio.get_running_loop().create_future()
-        self._stats_waiters.append(waiter)
-        await self._sock.send(self._request_codec.encode(EngineCoreGetStats()))
+        waiters.append(waiter)
+        try:
+            await self._send(frame)
+        except BaseException:
+            if waiter in waiters:
+                waiters.remove(waiter)
+            raise
         return await waiter
 
     async def _connect(self, timeout: float | None) -> None:
@@ -196,10 +230,7 @@ class AsyncEngineClient:
     async def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix in the engine; False if refused because requests hold blocks."""
         await self._connect(self.connect_timeout)
-        waiter = asyncio.get_running_loop().create_future()
-        self._reset_waiters.append(waiter)
-        await self._sock.send(self._request_codec.encode(EngineCoreResetPrefixCache()))
-        return await waiter
+        return await self._ask(self._reset_waiters, self._request_codec.encode(EngineCoreResetPrefixCache()))
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Raise EngineDeadError if no server answers within timeout seconds (default: connect_timeout)."""
@@ -230,24 +261,30 @@ class AsyncEngineClient:
             if queue is not None:
                 queue.put_nowait(RequestOutput(
                     out.request_id, out.new_token_ids, out.finish_reason, out.num_cached_tokens, out.error,
-                    out.logprobs, out.prompt_logprobs,
+                    out.logprobs,
                 ))
         if outputs.stats is not None:
             _answer_first(self._stats_waiters, outputs.stats)
         if outputs.reset_prefix_cache is not None:
             _answer_first(self._reset_waiters, outputs.reset_prefix_cache)
 
-    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
-        """A dropped connection with requests in flight means the server is gone."""
+    async def _watch(self) -> None:
+        """A dropped connection (closed, or silent past the heartbeat timeout) means the server is gone.
+        Ending, it releases the sockets: an event loop that ends without close() leaves no context for the
+        garbage collector to term (its sockets would be unreachable by then, and term would wait for them)."""
         try:
             while True:
-                await recv_monitor_message(monitor)
+                await recv_monitor_message(self._monitor)
                 self._fail(f"lost the connection to the kvengine server at {self.address}")
         finally:
-            monitor.close()
+            self._release()
 
     def _fail(self, message: str) -> None:
+        """Every waiting call ends with EngineDeadError(message), and so does every later one."""
+        if self._dead is not None:
+            return
         self._dead = message
+        self._died.set_result(None)
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(message))
         for waiter in self._stats_waiters + self._reset_waiters:
@@ -255,6 +292,18 @@ class AsyncEngineClient:
                 waiter.set_exception(EngineDeadError(message))
         self._stats_waiters.clear()
         self._reset_waiters.clear()
+
+
+def _monitor_socket(ctx: zmq.asyncio.Context, sock: zmq.asyncio.Socket, events: int) -> zmq.asyncio.Socket:
+    """A PAIR that receives sock's events through a pipe with no high-water mark, so that the I/O thread's
+    blocking send of an event never waits on this reader."""
+    endpoint = f"inproc://monitor-{uuid.uuid4().hex}"
+    sock.monitor(endpoint, events)
+    reader = ctx.socket(zmq.PAIR)
+    reader.setsockopt(zmq.RCVHWM, 0)
+    reader.setsockopt(zmq.LINGER, 0)
+    reader.connect(endpoint)
+    return reader
 
 
 def _answer_first(waiters: list[asyncio.Future], value: object) -> None:
