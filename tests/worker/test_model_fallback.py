@@ -5,8 +5,10 @@ soft-capping), where it also equals the native path; a ragged batch, a chunked p
 preemption and prefix hits. And how --model-impl chooses, and what it refuses."""
 
 import logging
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from engine_core.core import EngineCore
 from protocol.config import engine_config
@@ -14,7 +16,7 @@ from tests.worker.family_support import build_family, randomize, run_engine
 from tests.worker.harness import Driver, hf_greedy
 from tests.worker.parity_support import MAX_NEW, RAGGED, make_worker, prompts
 from worker.inproc_executor import InProcExecutor
-from worker.model.transformers_backend import TransformersModel
+from worker.model.transformers_backend import _STEP, Step, TransformersModel, paged_attention_interface
 from worker.worker import Worker
 
 transformers = pytest.importorskip("transformers")
@@ -107,3 +109,22 @@ def test_what_the_fallback_refuses(tmp_path, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)  # as if it were not installed
     with pytest.raises(ImportError, match=r"pip install 'kvengine\[transformers\]'"):
         Worker(engine_config(model=str(gpt2)))
+
+
+@pytest.mark.parametrize(("change", "error"), [
+    ({"sliding_window": 8}, "attends over a window of 8 tokens but its KV cache spec says None"),
+    ({"attention_mask": torch.zeros(1, 1, 3, 3)}, "causal, without an attention mask"),
+    ({"s_aux": torch.zeros(4)}, "has no s_aux"),
+    ({"head_dim": 16}, "has 2 KV heads of 16 dims, but the KV cache spec gives every layer 2 of 32"),
+])
+def test_the_attention_call_refuses_what_the_paged_cache_cannot_do(change, error):
+    """Refused, never ignored: a window other than the spec's, a mask, sinks, a head size of another layer."""
+    module = SimpleNamespace(layer_idx=0, is_causal=True)
+    hd = change.pop("head_dim", 32)
+    query, key = torch.zeros(1, 4, 3, 32), torch.zeros(1, 2, 3, hd)
+    token = _STEP.set(Step([None], [None], None, 3, [None], 2, 32))  # type: ignore[arg-type]
+    try:
+        with pytest.raises(ValueError, match=error):
+            paged_attention_interface(module, query, key, key, change.pop("attention_mask", None), **change)
+    finally:
+        _STEP.reset(token)

@@ -41,13 +41,16 @@ def import_transformers():
 @dataclass
 class Step:
     """What the attention modules of one forward read: each layer's cache and metadata, the backend, how many of
-    the rows are real tokens (the rest padding), each layer's window as its KV cache spec has it."""
+    the rows are real tokens (the rest padding), and what the KV cache specs say of every layer (its window, the
+    KV heads and head size)."""
 
     caches: list
     metas: list
     attention: Attention
     num_tokens: int
     windows: list[int | None]
+    kv_heads: int
+    head_dim: int
 
 
 _STEP: contextvars.ContextVar[Step] = contextvars.ContextVar("kvengine_step")
@@ -61,6 +64,9 @@ def paged_attention_interface(module, query, key, value, attention_mask, dropout
     if layer is None:
         raise ValueError(f"{type(module).__name__} has no layer_idx: its layer's KV cache cannot be found")
     _check_supported(module, layer, attention_mask, kwargs, step.windows[layer])
+    if key.shape[1] != step.kv_heads or key.shape[3] != step.head_dim:
+        raise ValueError(f"layer {layer} has {key.shape[1]} KV heads of {key.shape[3]} dims, but the KV cache spec "
+                         f"gives every layer {step.kv_heads} of {step.head_dim}")
     n, rows = step.num_tokens, query.shape[2]
     q, k, v = (x[0].transpose(0, 1)[:n] for x in (query, key, value))
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
@@ -139,7 +145,9 @@ class TransformersModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_tokens: int, caches: list, metas: list,
                 attention: Attention) -> torch.Tensor:
         """As LlamaModel.forward: final hidden states of the step's first num_tokens tokens."""
-        token = _STEP.set(Step(caches, metas, attention, num_tokens, self.cfg.layer_sliding_windows))
+        cfg = self.cfg
+        token = _STEP.set(Step(caches, metas, attention, num_tokens, cfg.layer_sliding_windows,
+                               cfg.num_key_value_heads, cfg.head_dim))
         try:
             base = getattr(self.hf, self.base_name)
             out = base(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False)
