@@ -135,7 +135,7 @@ class TransformersModel:
         self.layers = [_Layer(w) for w in cfg.layer_sliding_windows]
         head = self.hf.get_output_embeddings()
         if not isinstance(head, torch.nn.Linear):
-            raise ValueError(f"{cfg.architecture}: transformers gives no linear output embeddings (LM head)")
+            raise TypeError(f"{cfg.architecture}: transformers gives no linear output embeddings (LM head)")
         self.lm_head = head  # the runner reads where the logits will be
 
     @property
