@@ -24,6 +24,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
+from launch.parallel_sampling import ParentRequest, fan_out
 from protocol import (
     EngineCoreAbort,
     EngineCoreGetStats,
@@ -54,6 +55,9 @@ class RequestOutput:
     num_cached_tokens: int
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per new token, with SamplingParams(logprobs=k)
+    # with SamplingParams(prompt_logprobs=k), on the first output: one per prompt token from the second on
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    index: int = 0  # which of the n sequences (SamplingParams.n > 1)
 
     @property
     def finished(self) -> bool:
@@ -76,6 +80,7 @@ class AsyncEngineClient:
         self._seen = False
         self._probe: asyncio.Task | None = None
         self._queues: dict[str, asyncio.Queue] = {}
+        self._parents: dict[str, ParentRequest] = {}  # n > 1 requests in flight, by their id
         self._stats_waiters: list[asyncio.Future] = []
         self._reset_waiters: list[asyncio.Future] = []
         self._tasks: list[asyncio.Task] = []
@@ -137,13 +142,31 @@ class AsyncEngineClient:
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; the last one has finish_reason set."""
+        """Stream a request's outputs; the last one has finish_reason set. With n > 1 (or best_of) the outputs of
+        its n sequences come interleaved, each with its index, and the stream ends once all have finished."""
         await self._connect(self.connect_timeout)
         request_id = request_id or uuid.uuid4().hex
+        params = sampling_params or SamplingParams()
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in flight on this client")
+        if params.num_sequences > 1:
+            parent = self._parents[request_id] = ParentRequest(request_id, params)
+            stream = fan_out(parent, lambda p, rid: self._generate_one(prompt_token_ids, p, rid, cache_salt, priority))
+        else:
+            stream = self._generate_one(prompt_token_ids, params, request_id, cache_salt, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            self._parents.pop(request_id, None)
+            await stream.aclose()  # type: ignore[attr-defined]  # its request is aborted now if it has not finished
+
+    async def _generate_one(self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str,
+                            cache_salt: str | None, priority: int) -> AsyncIterator[RequestOutput]:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight on this client")
         request = EngineCoreRequest(  # raises ValueError for an id, prompt or priority out of bounds
-            request_id, list(prompt_token_ids), sampling_params or SamplingParams(), time.time(), cache_salt, priority
+            request_id, list(prompt_token_ids), sampling_params, time.time(), cache_salt, priority
         )
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
@@ -171,7 +194,10 @@ class AsyncEngineClient:
         sent.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def abort(self, request_id: str) -> None:
-        await self._send(self._request_codec.encode(EngineCoreAbort([request_id])))
+        """Abort a request in the engine (every child of an n > 1 request)."""
+        parent = self._parents.get(request_id)
+        ids = [request_id] if parent is None else [parent.child_id(i) for i in range(parent.num_children)]
+        await self._send(self._request_codec.encode(EngineCoreAbort(ids)))
 
     async def _send(self, frame: bytes) -> None:
         """Send, or raise EngineDeadError once the server is gone: a send that waits for room in the pipe to a
@@ -261,7 +287,7 @@ class AsyncEngineClient:
             if queue is not None:
                 queue.put_nowait(RequestOutput(
                     out.request_id, out.new_token_ids, out.finish_reason, out.num_cached_tokens, out.error,
-                    out.logprobs,
+                    out.logprobs, out.prompt_logprobs,
                 ))
         if outputs.stats is not None:
             _answer_first(self._stats_waiters, outputs.stats)
