@@ -11,6 +11,11 @@ tokens times the q heads that share the kv head, so a decode reads each K/V bloc
 group. It walks only the cache blocks its rows can see, one block per step, with an online softmax in
 fp32; keys outside [first visible key, last query] are masked at the load, so null blocks (before a
 sliding window) and unwritten slots are never read. Under TRITON_INTERPRET=1 it runs on CPU tensors.
+
+A quantized cache (worker/kv_quant.py: int8 or fp8 codes, one fp32 scale per K/V, kv head and block) is read
+in place too: each block's codes are widened and scaled as they are loaded; fp8 codes are read as bytes and
+widened through their fp16 bit pattern, so no fp8 support is needed from the GPU or the interpreter. The
+write kernel (kv_quant_triton.py) rounds as torch does.
 """
 
 import os
@@ -20,7 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from worker.kv_quant import KVCache, QuantizedKV
 from worker.ops.cpu_attention import CpuAttentionMetadata
+from worker.ops.kv_quant_triton import QUANT_IDS, code_tensor, dequantize_codes, write_kv_quantized
 
 TILE_ROWS = 64  # query rows (tokens x q heads of one kv head) per program
 
@@ -49,6 +56,19 @@ def _load_block(cache, kv_offset, block_id, stride_block, stride_slot, stride_di
 
 
 @triton.jit
+def _load_kv(cache, scales, kv_offset, kv_head, block_id, stride_kv, stride_block, stride_slot, stride_dim, slots, dims,
+             visible_key, dim_mask, kv_heads, num_blocks, QUANT: tl.constexpr, DTYPE: tl.constexpr):
+    """A block's K and V as [block_size, HEAD] in DTYPE (quantized: dequantized by the block's scales)."""
+    k = _load_block(cache, kv_offset, block_id, stride_block, stride_slot, stride_dim, slots, dims, visible_key, dim_mask)
+    v = _load_block(cache, kv_offset + stride_kv, block_id, stride_block, stride_slot, stride_dim, slots, dims,
+                    visible_key, dim_mask)
+    if QUANT:
+        k = dequantize_codes(k, tl.load(scales + kv_head * num_blocks + block_id), QUANT).to(DTYPE)
+        v = dequantize_codes(v, tl.load(scales + (kv_heads + kv_head) * num_blocks + block_id), QUANT).to(DTYPE)
+    return k, v
+
+
+@triton.jit
 def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """a @ b, accumulated in fp32. UPCAST: multiply in fp32 (exact for bf16 products); Triton's interpreter
     multiplies bf16 operands as their raw bits."""
@@ -59,14 +79,14 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-    out, q, cache, block_table, query_start_loc, seq_lens,
-    scale, window, softcap,
+    out, q, cache, scales, block_table, query_start_loc, seq_lens,
+    scale, window, softcap, num_blocks,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_kv, stride_c_head, stride_c_block, stride_c_slot, stride_c_dim,
     stride_table,
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr, TOKENS: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, TOKENS: tl.constexpr, KV_HEADS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_P: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, QUANT: tl.constexpr,
 ):
     req, kv_head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_begin, q_len, context, t0 = _query_span(query_start_loc, seq_lens, req, tile, TOKENS)
@@ -93,10 +113,8 @@ def _paged_attention_kernel(
             block_id = tl.load(block_table + req.to(tl.int64) * stride_table + col)
             key = col * BLOCK_SIZE + slots
             in_range = (key >= first_key) & (key <= last_pos)
-            k = _load_block(cache, kv_offset, block_id, stride_c_block, stride_c_slot, stride_c_dim,
-                            slots, dims, in_range, dim_mask)
-            v = _load_block(cache, kv_offset + stride_kv, block_id, stride_c_block, stride_c_slot, stride_c_dim,
-                            slots, dims, in_range, dim_mask)
+            k, v = _load_kv(cache, scales, kv_offset, kv_head, block_id, stride_kv, stride_c_block, stride_c_slot,
+                            stride_c_dim, slots, dims, in_range, dim_mask, KV_HEADS, num_blocks, QUANT, q_tile.dtype)
             scores = _dot(q_tile, tl.trans(k), PRECISION, UPCAST) * scale
             if SOFTCAP:  # softcap * tanh(scores / softcap), tanh from exp(-2|y|)
                 y = scores / softcap
@@ -154,10 +172,13 @@ def _cache_strides(cache: torch.Tensor) -> tuple[int, ...]:
     return cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), cache.stride(4)
 
 
-def write_kv_triton(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: TritonAttentionMetadata) -> None:
-    """Write this step's k, v [tokens, kv_heads, head_size] at the slots the block table gives."""
+def write_kv_triton(k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: TritonAttentionMetadata) -> None:
+    """Write this step's k, v [tokens, kv_heads, head_size] at the slots the block table gives (quantized where the
+    cache is)."""
     if k.stride(2) != 1 or v.stride(2) != 1:
         k, v = k.contiguous(), v.contiguous()
+    if isinstance(cache, QuantizedKV):
+        return write_kv_quantized(k, v, cache, meta)
     tokens = 16
     grid = (len(meta.seq_lens), cache.shape[1], triton.cdiv(meta.max_query_len, tokens))
     _write_kv_kernel[grid](
@@ -169,12 +190,16 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta:
 
 
 def paged_attention_triton(
-    q: torch.Tensor, cache: torch.Tensor, meta: TritonAttentionMetadata, scale: float,
+    q: torch.Tensor, kv: KVCache, meta: TritonAttentionMetadata, scale: float,
     block_table: torch.Tensor | None = None, softcap: float = 0.0,
 ) -> torch.Tensor:
     """q [tokens, heads, head_size] over the cache read in place; returns [tokens, heads * head_size].
     block_table replaces meta's (tests swap block ids with it)."""
     table = meta.block_table if block_table is None else block_table
+    if isinstance(kv, QuantizedKV):
+        cache, scales, quant = code_tensor(kv), kv.scales, QUANT_IDS[kv.quant]
+    else:
+        cache, scales, quant = kv, kv, 0  # scales unread
     if q.stride(2) != 1:
         q = q.contiguous()
     heads, kv_heads, head_size, block_size = q.shape[1], cache.shape[1], cache.shape[4], cache.shape[3]
@@ -186,21 +211,21 @@ def paged_attention_triton(
     out = torch.empty(q.shape[0], heads, head_size, dtype=q.dtype, device=q.device)
     grid = (len(meta.seq_lens), kv_heads, triton.cdiv(meta.max_query_len, tokens))
     _paged_attention_kernel[grid](
-        out, q, cache, table, meta.query_start_loc, meta.seq_lens,
-        scale, meta.window, softcap,
+        out, q, cache, scales, table, meta.query_start_loc, meta.seq_lens,
+        scale, meta.window, softcap, cache.shape[2],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *_cache_strides(cache), table.stride(0),
-        GROUP=group, GROUP_P=group_p, TOKENS=tokens,
+        GROUP=group, GROUP_P=group_p, TOKENS=tokens, KV_HEADS=kv_heads,
         BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HEAD_P=_padded(head_size),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
-        SOFTCAP=softcap > 0,
+        SOFTCAP=softcap > 0, QUANT=quant,
     )
     return out.view(q.shape[0], -1)
 
 
 def triton_paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: TritonAttentionMetadata, scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: TritonAttentionMetadata, scale: float,
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """The layer's attention: write this step's K/V, then attend over cached + new keys; [tokens, heads*head_size]."""
