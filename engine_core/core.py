@@ -158,6 +158,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        if self.scheduler.kv_connector is not None:
+            self.scheduler.kv_connector.shutdown()
 
 
 def _tells_workers(so: SchedulerOutput) -> bool:

@@ -61,3 +61,7 @@ class KVConnectorScheduler(ABC):
     @abstractmethod
     def stats(self) -> KVTierStats:
         """The tier's totals since start-up."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """The engine stops: release what the tier holds open (its index)."""

@@ -151,3 +151,6 @@ class DiskConnectorScheduler(KVConnectorScheduler):
 
     def stats(self) -> KVTierStats:
         return msgspec.structs.replace(self.counters)
+
+    def shutdown(self) -> None:
+        self.index.close()

@@ -85,22 +85,24 @@ class BlockIndex:
 
     def evict(self, budget: int) -> list[bytes]:
         """Drop blocks in eviction order until the total is within budget; their keys (the caller removes files)."""
-        dropped: list[bytes] = []
         with self._write():
-            excess = self.total_bytes() - budget
-            if excess <= 0:
-                return dropped
-            while excess > 0:
-                rows = self.db.execute(f"SELECT key, size FROM blocks ORDER BY {self._order} LIMIT 256 OFFSET ?",
-                                       (len(dropped),)).fetchall()
-                if not rows:
-                    break
-                for key, size in rows:
-                    if excess <= 0:
-                        break
-                    dropped.append(key)
-                    excess -= size
+            dropped = self.first_to_go(self.total_bytes() - budget)
             self.db.executemany("DELETE FROM blocks WHERE key = ?", [(key,) for key in dropped])
+        return dropped
+
+    def first_to_go(self, nbytes: int) -> list[bytes]:
+        """The first blocks in eviction order that together hold at least nbytes (all, if the tier holds less)."""
+        dropped: list[bytes] = []
+        while nbytes > 0:
+            rows = self.db.execute(f"SELECT key, size FROM blocks ORDER BY {self._order} LIMIT 256 OFFSET ?",
+                                   (len(dropped),)).fetchall()
+            if not rows:
+                break
+            for key, size in rows:
+                if nbytes <= 0:
+                    break
+                dropped.append(key)
+                nbytes -= size
         return dropped
 
     def reconcile(self, files: Iterable[tuple[bytes, int, float]]) -> None:
@@ -114,6 +116,11 @@ class BlockIndex:
                             "ON s.key = b.key WHERE s.size != b.size)")
             self.db.execute("INSERT OR IGNORE INTO blocks SELECT key, size, t, t FROM scanned")
             self.db.execute("DELETE FROM scanned")
+
+    def shrink_log(self) -> None:
+        """Write the WAL back into the database and truncate it: room on a full file system (it only grows between
+        checkpoints, every 1000 pages by default)."""
+        self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def close(self) -> None:
         self.db.close()

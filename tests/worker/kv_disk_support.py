@@ -1,7 +1,13 @@
 """Helpers of the disk tier's in-process tests: a real EngineCore and in-process worker on the built-in model in
 float32, over a tier folder."""
 
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from engine_core.core import EngineCore
 from protocol import EngineCoreRequest, SamplingParams
@@ -54,3 +60,29 @@ def tier_dir(path: Path) -> Path:
 
 def block_files(path: Path) -> list[Path]:
     return sorted((tier_dir(path) / "blocks").rglob("*.kv"))
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` mounted at path (a file system that really fills up), unmounted afterwards; the test is
+    skipped where this process may not mount (not root, or no CAP_SYS_ADMIN)."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                             text=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def fill(path: Path) -> Path:
+    """Write a file in path until its file system is full."""
+    filler = path / "filler"
+    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\0" * 4096)
+    return filler

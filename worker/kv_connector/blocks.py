@@ -22,8 +22,9 @@ def block_nbytes(parts: list[torch.Tensor]) -> int:
 
 
 def copy_out(parts: list[torch.Tensor], block_id: int) -> torch.Tensor:
-    """The block's bytes, a uint8 tensor on the CPU (a copy: the block may be reused once this returns)."""
-    return torch.cat([p[:, :, block_id].reshape(-1).view(torch.uint8).cpu() for p in parts])
+    """The block's bytes, a uint8 tensor on the CPU (a copy: the block may be reused once this returns). contiguous():
+    reshape keeps a strided view where the slice's dimensions merge into one stride (a quantized cache's scales)."""
+    return torch.cat([p[:, :, block_id].reshape(-1).contiguous().view(torch.uint8).cpu() for p in parts])
 
 
 def copy_in(parts: list[torch.Tensor], block_id: int, payload: memoryview) -> None:

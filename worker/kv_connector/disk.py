@@ -4,15 +4,18 @@ One I/O thread runs the transfers in the order the engine core sent them, so a l
 what the save wrote. A save's data is copied out of the KV cache before the step's forward (the block may be
 reused by it) and written in the background; a load reads and checks each file in the background and writes
 the blocks, which no step touches until the engine core hears the load finished. A missing, truncated or
-corrupt file stops its request's load there (the rest is computed) with a warning, and leaves the tier; a full
-disk fails that save with a warning. Whatever happens, every transfer is reported, so nothing waits forever.
+corrupt file stops its request's load there (the rest is computed) with a warning, and leaves the tier; on a full
+file system the tier drops its oldest blocks to make room, and a save that still fails is a warning (the block
+stays in memory only). Whatever happens, every transfer is reported, so nothing waits forever.
 At start the index is rebuilt from the files; at shutdown the queue is drained, so every save sent is on disk.
 """
 
+import errno
 import logging
 import os
 import queue
 import shutil
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +31,7 @@ from worker.kv_connector.blocks import block_nbytes, cache_parts, copy_in, copy_
 
 log = logging.getLogger(__name__)
 MAX_STAGED_BYTES = 256 << 20  # saves copied out and not yet written; past it a step waits for the disk
+ROOM_BLOCKS = 64  # on a full file system, the most blocks dropped in eviction order before a save tries again
 IDLE_WAIT = 0.005  # seconds a step with no tokens waits for a transfer to finish before answering
 
 
@@ -50,6 +54,8 @@ class DiskConnectorWorker:
         self._cond = threading.Condition()
         self._pending = 0  # transfers queued and not finished
         self._staged = 0  # bytes of queued saves
+        self._warned = False  # a failed save was logged; the next failures go to debug until one succeeds
+        self._full_logged = False
         self._thread = threading.Thread(target=self._run, name="kv-disk-io", daemon=True)
         self._thread.start()
 
@@ -119,20 +125,62 @@ class DiskConnectorWorker:
 
     def _save(self, key: bytes, data: torch.Tensor) -> None:
         try:
-            size = self.layout.write_block(key, data.numpy().data)
-        except OSError as e:
-            log.warning("KV disk tier: cannot write a block (%s); it stays in memory only", e)
+            size = self._store_making_room(key, data.numpy().data)
+        except (OSError, sqlite3.Error) as e:
+            self._warn_once(f"cannot write a block ({e}); it stays in memory only")
             with self._cond:
                 self._done.failed_save_keys.append(key)
             return
-        self.index.add([(key, size)], time.time())
-        removed = self.index.evict(self.budget)
-        for old in removed:
-            self.layout.remove_block(old)
+        self._warned = False
+        try:
+            self._drop(self.index.evict(self.budget))
+        except sqlite3.Error as e:  # the block is saved; the tier stays over its bound until the next save
+            log.warning("KV disk tier: cannot evict (%s)", e)
         with self._cond:
             self._done.saved_keys.append(key)
             self._done.save_bytes += size
-            self._done.removed_keys += removed
+
+    def _store_making_room(self, key: bytes, payload: memoryview) -> int:
+        """Write the block and enter it in the index. On a full file system, drop an eighth of the tier's bytes
+        (a block at least, ROOM_BLOCKS at most) in eviction order and try once more: the file system, not only
+        --kv-disk-bytes, bounds the tier. Should the index fail to record the drop, it lists files that are gone:
+        misses when loaded."""
+        try:
+            return self._store(key, payload)
+        except (OSError, sqlite3.Error) as e:
+            if not _is_full(e) or not len(self.index):
+                raise
+        total = self.index.total_bytes()
+        if not self._full_logged:
+            self._full_logged = True
+            log.warning("KV disk tier: the file system of %s is full at %.1f MiB of blocks; dropping the oldest "
+                        "blocks to make room", self.layout.dir, total / 2**20)
+        room = self.index.first_to_go(max(self.block_bytes, min(ROOM_BLOCKS * self.block_bytes, total // 8)))
+        self._drop(room)  # the files first: SQLite needs room to record the drop
+        self.index.remove(room)
+        self.index.shrink_log()
+        return self._store(key, payload)
+
+    def _store(self, key: bytes, payload: memoryview) -> int:
+        size = self.layout.write_block(key, payload)
+        try:
+            self.index.add([(key, size)], time.time())
+        except sqlite3.Error:
+            self.layout.remove_block(key)
+            raise
+        return size
+
+    def _drop(self, keys: list[bytes]) -> None:
+        """Blocks the index no longer lists: delete their files and report them removed."""
+        for key in keys:
+            self.layout.remove_block(key)
+        with self._cond:
+            self._done.removed_keys += keys
+
+    def _warn_once(self, message: str) -> None:
+        """A warning for the first failed save since the last one that succeeded; the rest at debug level."""
+        (log.debug if self._warned else log.warning)("KV disk tier: %s", message)
+        self._warned = True
 
     def _load(self, load: KVLoad) -> None:
         num_ok, nbytes, bad = 0, 0, None
@@ -146,21 +194,31 @@ class DiskConnectorWorker:
             copy_in(self.parts, block_id, payload)
             num_ok += 1
             nbytes += payload.nbytes
-        if bad is not None:
-            self.index.remove([bad])
-            self.layout.remove_block(bad)
-        self.index.touch(load.keys[:num_ok], time.time())
+        try:  # bookkeeping only: the blocks loaded either way
+            if bad is not None:
+                self.index.remove([bad])
+            self.index.touch(load.keys[:num_ok], time.time())
+        except sqlite3.Error as e:
+            log.warning("KV disk tier: cannot update the index after a load (%s)", e)
         with self._cond:
             d = self._done
             d.finished_loads.append(load.req_id)
             d.num_loaded_blocks.append(num_ok)
             d.load_bytes += nbytes
-            if bad is not None:
-                d.num_failed_blocks += 1
-                d.removed_keys.append(bad)
+        if bad is not None:
+            self.layout.remove_block(bad)
+            with self._cond:
+                self._done.num_failed_blocks += 1
+                self._done.removed_keys.append(bad)
 
     def shutdown(self) -> None:
         """Finish every transfer sent (each save sent is then on disk)."""
         self._queue.put(None)
         self._thread.join()
         self.index.close()
+
+
+def _is_full(error: Exception) -> bool:
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return getattr(error, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
