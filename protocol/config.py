@@ -78,10 +78,12 @@ class CacheConfig(_Area, frozen=True):
         "a second KV tier on local disk in this folder: every computed full block is written there in the background "
         "(under a fingerprint of the model, dtype, block size and KV layout), and a prefix that misses memory but "
         "is on disk is loaded instead of computed; found again after a restart, shared by the engine cores of one "
-        "host (-dp). Needs prefix caching, tensor parallel size 1 and full-attention models (default: off)")] = None
+        "host (-dp); under tensor parallelism each rank keeps its shard. Needs prefix caching and every rank on "
+        "this host (default: off)")] = None
     kv_disk_bytes: Annotated[ByteCount | None, setting(
-        "the disk tier's size bound (4GiB, 4GB or a byte count); past it the least recently used blocks are "
-        "deleted. Default: nine tenths of the free space of its file system at start-up", parse="bytes")] = None
+        "the disk tier's size bound (4GiB, 4GB or a byte count), all ranks' shards together; past it, or when its "
+        "file system is full, blocks are deleted in --kv-disk-eviction order. Default: nine tenths of the free "
+        "space of its file system at start-up", parse="bytes")] = None
     kv_disk_eviction: Annotated[Literal["lru", "fifo"], setting(
         "which disk blocks go first when the tier is full: lru (least recently loaded or saved) or fifo (oldest "
         "save)")] = "lru"
@@ -271,8 +273,9 @@ def _check_kv_tier(config: EngineConfig) -> None:
         return
     if not cache.enable_prefix_caching:
         raise ValueError("kv_disk_path finds blocks by their prefix-cache hashes: it needs enable_prefix_caching")
-    if config.parallel.tensor_parallel_size > 1:
-        raise ValueError("kv_disk_path: the disk tier runs with tensor_parallel_size 1 only")
+    if config.parallel.nnodes > 1:
+        raise ValueError("kv_disk_path: the disk tier needs every tensor-parallel rank on this host (nnodes 1): the "
+                         "engine core reads each rank's index")
 
 
 def engine_config(**settings: object) -> EngineConfig:

@@ -120,7 +120,7 @@ class Worker:
         check_fits_one_block(budget.available_bytes, block_bytes, budget.detail)
         log.info("rank %d KV cache budget: %s", self.rank, budget.detail)
         if self.config.cache.kv_disk_path is not None:
-            self.kv_fingerprint = kv_fingerprint(self.config, self.model.cfg, self.dtype, self.rank, specs)
+            self.kv_fingerprint = kv_fingerprint(self.config, self.model.cfg, self.dtype, specs)
         return WorkerKVReport(
             rank=self.rank,
             available_kv_bytes=budget.available_bytes,
@@ -157,7 +157,8 @@ class Worker:
 
     def init_kv_cache(self, cfg: KVCacheConfig) -> WorkerReady:
         self.runner.init_kv_cache(cfg, self.dtype, self.device)
-        self.kv_connector = make_kv_connector_worker(self.config, self.kv_fingerprint, self.runner.kv.kv_tensors)
+        self.kv_connector = make_kv_connector_worker(self.config, self.kv_fingerprint, self.rank,
+                                                     self.runner.kv.kv_tensors)
         return WorkerReady(rank=self.rank, num_blocks=cfg.num_blocks)
 
     @torch.inference_mode()

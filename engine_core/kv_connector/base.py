@@ -28,9 +28,10 @@ class KVConnectorScheduler(ABC):
         Never the request's last token: at least one is always computed."""
 
     @abstractmethod
-    def update_state_after_alloc(self, request: "Request", blocks: Sequence["KVCacheBlock"],
+    def update_state_after_alloc(self, request: "Request", blocks: Sequence[Sequence["KVCacheBlock"]],
                                  num_external_tokens: int) -> None:
-        """Blocks were allocated for the num_external_tokens that follow the memory hit: load them."""
+        """Blocks (per KV cache group, all the request's) were allocated for the num_external_tokens that follow
+        the memory hit: load them."""
 
     @abstractmethod
     def update_connector_output(self, output: KVConnectorOutput) -> list[tuple[str, int]]:

@@ -47,7 +47,7 @@ class TierLoads:
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         request.num_computed_tokens = num_hit_tokens
         self.requests[request.request_id] = request
-        self.connector.update_state_after_alloc(request, self.manager.get_blocks(request.request_id).blocks[0],
+        self.connector.update_state_after_alloc(request, self.manager.get_blocks(request.request_id).blocks,
                                                 num_external)
         return True
 
@@ -62,6 +62,8 @@ class TierLoads:
             request.num_computed_tokens += num_loaded_tokens
             request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
             if request.num_computed_tokens:
+                # Sliding-window blocks the load skipped hold nothing: freed (null) before the rest is registered.
+                self.manager.coordinator.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
                 self.manager.cache_blocks(request, request.num_computed_tokens)
             else:  # nothing loaded and no memory hit: it starts afresh
                 self.manager.free(request)

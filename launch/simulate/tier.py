@@ -29,7 +29,7 @@ class SimDiskTier:
         self.block_size = block_size
         self.index = BlockIndex(":memory:", model.eviction)
         self.budget = model.tokens // block_size  # a block counts 1
-        self.connector = DiskConnectorScheduler(self.index, block_size, swap)
+        self.connector = DiskConnectorScheduler([self.index], block_size, swap)
         self.clock = 0.0
         self.loaded_tokens = 0
 

@@ -23,9 +23,14 @@ class BlockFileError(ValueError):
 
 
 class DiskLayout:
-    def __init__(self, root: str, fingerprint: str) -> None:
-        self.fingerprint = fingerprint
-        self.dir = os.path.join(os.path.abspath(root), fingerprint)
+    def __init__(self, root: str, fingerprint: str, rank: int = 0, tensor_parallel_size: int = 1) -> None:
+        """Under tensor parallelism each rank keeps its shard of every block (its KV heads) in DIR/<fingerprint>/
+        rank<r>/, and its files carry the rank in their fingerprint."""
+        tier = os.path.join(os.path.abspath(root), fingerprint)
+        if tensor_parallel_size == 1:
+            self.fingerprint, self.dir = fingerprint, tier
+        else:
+            self.fingerprint, self.dir = f"{fingerprint}/rank{rank}", os.path.join(tier, f"rank{rank}")
         self.blocks_dir = os.path.join(self.dir, "blocks")
         self.index_path = os.path.join(self.dir, "index.sqlite")
 

@@ -97,3 +97,46 @@ def test_http_usage_and_metrics_count_the_tiers_hits_after_a_restart(start_serve
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 20 * BLOCK
     assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+
+
+def rank_keys(disk) -> dict[str, list[bytes]]:
+    """Each tensor-parallel rank's blocks, in the order they were saved."""
+    out = {}
+    for index_path in sorted(disk.glob("*/rank*/index.sqlite")):
+        index = BlockIndex(str(index_path))
+        try:
+            out[index_path.parent.name] = [k for (k,) in index.db.execute("SELECT key FROM blocks ORDER BY ctime")]
+        finally:
+            index.close()
+    return out
+
+
+def test_tp2_ranks_keep_their_shards_and_load_the_fewest_blocks_any_rank_has(start_server, tmp_path):
+    """-tp 2: each rank saves its KV heads' shard in its own folder; after a restart the prefix loads on both.
+    A shard one rank lost stops the load there for both (the rest is computed), with the same tokens."""
+    disk = tmp_path / "tier"
+    flags = ("-tp", "2", *FLAGS, "--kv-disk-path", str(disk))
+    batch = [PREFIX + [7, 8, 9], PREFIX[: 10 * BLOCK] + [5]]
+    first = start_server(*flags, subdir="first")
+    asyncio.run(first.wait_ready())
+    before = serve_in_turn(first.address, batch)
+    first.proc.send_signal(signal.SIGTERM)
+    assert wait_exit(first.proc, 60) == 0, first.output()
+    keys = rank_keys(disk)
+    assert sorted(keys) == ["rank0", "rank1"] and keys["rank0"] == keys["rank1"] and len(keys["rank0"]) == 20
+    second = start_server(*flags, subdir="second")
+    asyncio.run(second.wait_ready())
+    after = serve_in_turn(second.address, batch)
+    assert after == [(before[0][0], 20 * BLOCK), (before[1][0], 10 * BLOCK)], second.output()
+    second.proc.send_signal(signal.SIGTERM)
+    assert wait_exit(second.proc, 60) == 0, second.output()
+    name = keys["rank1"][3].hex()  # rank 1's shard of block 3: corrupt
+    path = next(disk.glob(f"*/rank1/blocks/{name[:2]}/{name}.kv"))
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    third = start_server(*flags, subdir="third")
+    asyncio.run(third.wait_ready())
+    (tokens, cached), = serve_in_turn(third.address, batch[:1])
+    assert (tokens, cached) == (before[0][0], 3 * BLOCK), third.output()
+    assert "fails its checksum" in third.output()

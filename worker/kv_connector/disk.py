@@ -28,6 +28,7 @@ from protocol.kv_store.index import BlockIndex
 from protocol.kv_store.layout import BlockFileError, DiskLayout
 from protocol.kv_transfer import KVConnectorMetadata, KVConnectorOutput, KVLoad
 from worker.kv_connector.blocks import block_nbytes, cache_parts, copy_in, copy_out
+from worker.kv_connector.ranks import RankMerge
 
 log = logging.getLogger(__name__)
 MAX_STAGED_BYTES = 256 << 20  # saves copied out and not yet written; past it a step waits for the disk
@@ -36,15 +37,19 @@ IDLE_WAIT = 0.005  # seconds a step with no tokens waits for a transfer to finis
 
 
 class DiskConnectorWorker:
-    def __init__(self, layout: DiskLayout, budget: int | None, eviction: str, kv_caches: list) -> None:
+    def __init__(self, layout: DiskLayout, budget: int | None, eviction: str, kv_caches: list,
+                 ranks: RankMerge | None = None) -> None:
+        """budget: the whole tier's (each of the ranks' shards gets its share); ranks: tensor parallelism's."""
         self.layout = layout
         self.parts = cache_parts(kv_caches)
         self.block_bytes = block_nbytes(self.parts)
+        self.ranks = ranks
         os.makedirs(layout.dir, exist_ok=True)
         self.index = BlockIndex(layout.index_path, eviction)
         self.index.reconcile(layout.scan())
-        self.budget = budget if budget is not None else int(
-            0.9 * (shutil.disk_usage(layout.dir).free + self.index.total_bytes()))
+        share = 1 if ranks is None else ranks.size
+        self.budget = (budget if budget is not None else int(
+            0.9 * (shutil.disk_usage(layout.dir).free + share * self.index.total_bytes()))) // share
         self._done = KVConnectorOutput()
         for key in self.index.evict(self.budget):
             layout.remove_block(key)
@@ -60,11 +65,17 @@ class DiskConnectorWorker:
         self._thread.start()
 
     def execute(self, so: SchedulerOutput, run: Callable[[SchedulerOutput], ModelRunnerOutput]) -> ModelRunnerOutput:
-        """Start the step's transfers, run the step, and add the transfers that finished to its output."""
+        """Start the step's transfers, run the step, and add the transfers that finished to its output (under
+        tensor parallelism, those finished on every rank: worker/kv_connector/ranks.py)."""
         if isinstance(so, KVSchedulerOutput):
             self.start(so.kv_connector_metadata)
         output = run(so)
-        done = self.take_finished(wait=not so.total_num_scheduled_tokens)
+        if self.ranks is None:
+            done = self.take_finished(wait=not so.total_num_scheduled_tokens)
+        elif isinstance(so, KVSchedulerOutput):  # a step every rank runs: gather there
+            done = self.ranks.gather(self.take_finished(wait=not so.total_num_scheduled_tokens) or KVConnectorOutput())
+        else:
+            return output
         if done is None:
             return output
         return KVModelRunnerOutput(**msgspec.structs.asdict(output), kv_connector_output=done)

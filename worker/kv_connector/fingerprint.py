@@ -25,15 +25,17 @@ def model_identity(model: str | None) -> list:
     return [path, entries]
 
 
-def kv_fingerprint(config: EngineConfig, model_config: object, dtype: torch.dtype, rank: int,
+def kv_fingerprint(config: EngineConfig, model_config: object, dtype: torch.dtype,
                    specs: dict[str, KVCacheSpec]) -> str:
+    """Equal on every rank: the specs are a rank's (its KV heads) and the tensor parallel size is in it; a rank's
+    shards live in a folder of their own under it (protocol/kv_store/layout.py)."""
     identity = {
         "layout": LAYOUT,
         "model": model_identity(config.model.model),
         "model_config": repr(model_config),
         "dtype": str(dtype),
         "block_hash": config.cache.prefix_caching_hash_algo,
-        "tensor_parallel": [rank, config.parallel.tensor_parallel_size],
+        "tensor_parallel_size": config.parallel.tensor_parallel_size,
         "specs": sorted((name, msgspec.json.encode(spec).decode()) for name, spec in specs.items()),
     }
     return hashlib.sha256(msgspec.json.encode(identity)).hexdigest()[:32]
