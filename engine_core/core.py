@@ -10,7 +10,9 @@ from engine_core.executor.abstract import Executor
 from engine_core.kv_cache.planning import KVCacheSizingError, capacity_line, get_kv_cache_config
 from engine_core.kv_connector.base import KVConnectorScheduler
 from engine_core.kv_connector.factory import make_kv_connector
+from engine_core.request import RequestStatus
 from engine_core.scheduler import Scheduler
+from engine_core.structured_output import StructuredOutputManager
 from protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -19,6 +21,7 @@ from protocol import (
     KVCacheConfig,
     KVCacheEvent,
     KVSchedulerOutput,
+    ModelRunnerOutput,
     SchedulerOutput,
     SchedulerStats,
     WorkerKVReport,
@@ -28,6 +31,7 @@ from protocol.kv_transfer import KVTierStats
 from protocol.sizes import format_bytes
 
 logger = logging.getLogger(__name__)
+GRAMMAR_WAIT = 0.005  # seconds an idle step waits for a held request's grammar (new client messages are read between)
 
 
 def plan_kv_cache(config: EngineConfig, reports: list[WorkerKVReport]) -> tuple[int, KVCacheConfig]:
@@ -89,29 +93,67 @@ class EngineCore:
         self._pending: list[EngineCoreOutput] = []  # rejections and aborts, sent with the next step
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight: deque[SchedulerOutput] = deque()  # async scheduling: sent, output not applied yet
+        self.structured = StructuredOutputManager(config.model.model, reports[0].vocab_size, reports[0].eos_token_ids)
+        self._grammar_due: tuple[int, list[str]] | None = None  # async: the newest step's rows, sent once it is next
 
     def add_request(self, request: EngineCoreRequest) -> EngineCoreOutput | None:
-        """Queue a request; if it can never run, its error output (also sent with the next step's outputs)."""
+        """Queue a request; if it can never run, its error output (also sent with the next step's outputs). A
+        request with structured outputs waits for its grammar first (engine_core/structured_output/)."""
+        if self.structured.hold(request):
+            return None
         rejected = self.scheduler.add_request(request)
         if rejected is not None:
             self._pending.append(rejected)
         return rejected
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        self._pending.extend(self.structured.abort(request_ids))
         self._pending.extend(self.scheduler.abort_requests(request_ids))
 
     def has_work(self) -> bool:
-        return self.scheduler.has_requests() or bool(self._pending) or bool(self._in_flight)
+        return (self.scheduler.has_requests() or bool(self._pending) or bool(self._in_flight)
+                or bool(self.structured.waiting))
 
     def step(self) -> EngineCoreOutputs:
         outputs, self._pending = self._pending, []
+        outputs += self._admit_structured()
+        self.structured.advance(outputs)  # the matchers of requests ended meanwhile (aborted, refused) are dropped
         if self.async_scheduling:
             outputs += self._step_async()
         elif self.scheduler.has_requests():
             so = self.scheduler.schedule()
             if _tells_workers(so):
-                outputs += self.scheduler.update_from_output(so, self.executor.execute_model(so))
+                outputs += self._update(so, self._execute(so))
+        elif not outputs and self.structured.waiting:
+            self.structured.wait(GRAMMAR_WAIT)
         return EngineCoreOutputs(outputs, time.time())
+
+    def _admit_structured(self) -> list[EngineCoreOutput]:
+        """Queue the held requests whose grammar is ready; the error outputs of those that cannot run."""
+        ready, ended = self.structured.take_ready()
+        for request in ready:
+            rejected = self.scheduler.add_request(request)
+            if rejected is not None:
+                ended.append(rejected)
+        return ended
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One step; with constrained requests sampling in it, their bitmask follows while the forward runs."""
+        ids = self.structured.sampling_ids(so, self.scheduler.requests)
+        if not ids:
+            return self.executor.execute_model(so)
+        self.executor.submit(so, grammar_follows=True)
+        self.executor.submit_grammar(self.structured.grammar_output(so.step, ids))
+        return self.executor.collect(so)
+
+    def _update(self, so: SchedulerOutput, output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Apply a step's output; constrained requests' matchers take their tokens, and those whose grammar is
+        complete (or failed) end here."""
+        outputs = self.scheduler.update_from_output(so, output)
+        for out in self.structured.advance(outputs):
+            status = RequestStatus.FINISHED_STOPPED if out.finish_reason == "stop" else RequestStatus.FINISHED_ERROR
+            self.scheduler.finish_requests([out.request_id], status)
+        return outputs
 
     def _step_async(self) -> list[EngineCoreOutput]:
         """Schedule and send the next step, then apply the oldest one once two are in flight (or nothing
@@ -122,16 +164,32 @@ class EngineCore:
         if self.scheduler.has_requests():
             so = self.scheduler.schedule()
             if _tells_workers(so):
-                self.executor.submit(so)
+                ids = self.structured.sampling_ids(so, self.scheduler.requests)
+                if ids:
+                    self.executor.submit(so, grammar_follows=True)
+                    self._grammar_due = (so.step, ids)
+                else:
+                    self.executor.submit(so)
             in_flight.append(so)
             if len(in_flight) < 2 and (so.total_num_scheduled_tokens or self.scheduler.has_requests()):
+                self._send_grammar()  # the only step in flight: every earlier one is applied
                 return []
         elif not in_flight:
             return []
         so = in_flight.popleft()
-        if not _tells_workers(so):
-            return []
-        return self.scheduler.update_from_output(so, self.executor.collect(so))
+        if not in_flight:
+            self._send_grammar()
+        outputs = self._update(so, self.executor.collect(so)) if _tells_workers(so) else []
+        self._send_grammar()
+        return outputs
+
+    def _send_grammar(self) -> None:
+        """Async: the bitmask of the newest step in flight, from matchers that have taken every earlier step's
+        tokens (vLLM's order: computed while the step's forward runs, before it samples)."""
+        if self._grammar_due is not None:
+            step, ids = self._grammar_due
+            self._grammar_due = None
+            self.executor.submit_grammar(self.structured.grammar_output(step, ids))
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """Ledger events since the last call, then the second tier's (empty unless enable_kv_cache_events)."""
@@ -145,7 +203,9 @@ class EngineCore:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        stats.num_waiting_reqs += len(self.structured.waiting)  # held for their grammar
+        return stats
 
     def get_tier_stats(self) -> list[KVTierStats]:
         """The second KV tier's totals (none without one): for the metrics, in this process, off the wire."""
@@ -157,6 +217,7 @@ class EngineCore:
         return EngineInfo(self.max_model_len, self.config.cache.block_size, config.num_blocks - 1)
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()
         if self.scheduler.kv_connector is not None:
             self.scheduler.kv_connector.shutdown()

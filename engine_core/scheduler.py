@@ -108,21 +108,19 @@ class Scheduler:
         error = request_error(self, req)
         if error is not None:
             return EngineCoreOutput(req.request_id, [], finish_reason="error", error=error)
-        request = Request(
-            req.request_id,
-            req.prompt_token_ids,
-            req.sampling_params,
-            req.arrival_time,
-            req.cache_salt,
-            req.priority,
-            self.block_hasher,
-        )
+        request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.arrival_time, req.cache_salt,
+                          req.priority, self.block_hasher)
         self.requests[request.request_id] = request
         self.waiting.add(request)
         return None
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
-        outputs = []
+        return [EngineCoreOutput(r.request_id, [], "abort", max(r.num_cached_tokens, 0))
+                for r in self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)]
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End unfinished requests with status (a client's abort, a structured output's end): those it ended."""
+        finished = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:  # finished: aborted while loading, freed once loaded
@@ -132,9 +130,9 @@ class Scheduler:
             elif self.tier_loads is None or not self.tier_loads.abort(request):  # a loading one is freed once loaded
                 self.waiting.remove(request)
             if request.status != RequestStatus.FINISHED_ABORTED:
-                self._finish(request, RequestStatus.FINISHED_ABORTED)
-            outputs.append(EngineCoreOutput(request_id, [], "abort", max(request.num_cached_tokens, 0)))
-        return outputs
+                self._finish(request, status)
+            finished.append(request)
+        return finished
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

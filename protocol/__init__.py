@@ -20,6 +20,7 @@ from protocol.messages import (
     EngineCoreRequest,
     EngineCoreResetPrefixCache,
     EngineInfo,
+    GrammarOutput,
     InitKVCache,
     KVModelRunnerOutput,
     KVSchedulerOutput,
@@ -34,6 +35,7 @@ from protocol.messages import (
     WorkerReady,
 )
 from protocol.sampling import SamplingParams
+from protocol.structured_output import StructuredOutputsParams
 
 __all__ = [
     "AllBlocksCleared",
@@ -50,6 +52,7 @@ __all__ = [
     "EngineCoreResetPrefixCache",
     "EngineInfo",
     "FullAttentionSpec",
+    "GrammarOutput",
     "InitKVCache",
     "KVCacheConfig",
     "KVCacheEvent",
@@ -66,6 +69,7 @@ __all__ = [
     "SchedulerStats",
     "Shutdown",
     "SlidingWindowSpec",
+    "StructuredOutputsParams",
     "TokenLogprobs",
     "WorkerError",
     "WorkerKVReport",

@@ -171,6 +171,18 @@ class KVSchedulerOutput(SchedulerOutput, tag=True, **_struct):
     kv_connector_metadata: KVConnectorMetadata = msgspec.field(default_factory=KVConnectorMetadata)
 
 
+class GrammarOutput(msgspec.Struct, tag=True, **_struct):
+    """The next-token bitmask of a step's constrained requests that sample (engine_core/structured_output/), sent to
+    rank 0 after the step's SchedulerOutput once their grammars have taken every earlier token: with async
+    scheduling, after the previous step's output is applied, while this step's forward runs. Row i belongs to
+    structured_output_request_ids[i], in the step's batch order; token t is allowed where bit t % 32 of the row's
+    little-endian int32 word t // 32 is set."""
+
+    step: int
+    structured_output_request_ids: list[str]
+    grammar_bitmask: bytes
+
+
 class InitKVCache(msgspec.Struct, tag=True, **_struct):
     """Start-up: the final KV cache config (minimum block count across ranks)."""
 
@@ -189,7 +201,7 @@ class EngineHeartbeat(msgspec.Struct, tag=True, **_struct):
     """Several hosts: the engine core is alive (sent to each headless host's process, answering its NodeHeartbeat)."""
 
 
-EngineToWorker = SchedulerOutput | KVSchedulerOutput | InitKVCache | Shutdown | EngineHeartbeat
+EngineToWorker = SchedulerOutput | KVSchedulerOutput | GrammarOutput | InitKVCache | Shutdown | EngineHeartbeat
 
 # ---- workers -> engine core -----------------------------------------------------------------
 

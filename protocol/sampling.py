@@ -7,12 +7,15 @@ against the model's vocabulary by the engine core, which knows it (engine_core/s
 
 The sampling controls follow vLLM's SamplingParams and are applied by the worker's sampler in vLLM's
 order: allowed_token_ids, bad words, min_tokens and logit_bias, then the repetition, frequency and
-presence penalties (also when sampling greedily), then temperature, min_p, top-k and top-p.
+presence penalties (also when sampling greedily), then temperature, min_p, top-k and top-p; a request with
+structured_outputs has its grammar's bitmask applied to the logits before all of them.
 """
 
 from typing import Annotated
 
 import msgspec
+
+from protocol.structured_output import StructuredOutputsParams
 
 MAX_INT32 = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -73,6 +76,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     # returned. The client fans them out (launch/parallel_sampling.py); an engine core request has n = 1.
     n: int = 1
     best_of: int | None = None
+    # the output must match a JSON schema, a regex, a choice or a grammar (engine_core/structured_output/)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_range("max_tokens", self.max_tokens, 1, MAX_INT32)

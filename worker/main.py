@@ -5,6 +5,7 @@ hosts): it reports its KV budget, allocates the cache when told the final block 
 every SchedulerOutput in order. Rank 0 answers each step; any rank reports an error before it exits.
 """
 
+import functools
 import logging
 import os
 import signal
@@ -15,8 +16,8 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from protocol import InitKVCache, ProtocolError, SchedulerOutput, Shutdown, WorkerError
-from protocol.codec import engine_to_worker_codec, worker_to_engine_codec
+from protocol import GrammarOutput, InitKVCache, ProtocolError, SchedulerOutput, Shutdown, WorkerError
+from protocol.codec import Codec, engine_to_worker_codec, worker_to_engine_codec
 from protocol.process.hosts import pin_collective_interface
 from protocol.process.open_files import raise_open_file_limit
 from protocol.process.signals import STOP_SIGNALS
@@ -89,13 +90,27 @@ def serve(worker: "Worker", rank: int, sock: zmq.Socket, parent: int) -> int:
             logger.error("Dropped a malformed message: %s", e)
             continue
         if isinstance(msg, SchedulerOutput):
-            output = worker.execute_model(msg)
+            output = worker.execute_model(msg, functools.partial(next_grammar, sock, from_engine, msg.step, parent))
             if rank == 0:
                 sock.send(to_engine.encode(output))
+        elif isinstance(msg, GrammarOutput):
+            raise TypeError(f"a bitmask for step {msg.step}, whose constrained requests this rank does not sample")
         elif isinstance(msg, InitKVCache):
             sock.send(to_engine.encode(worker.init_kv_cache(msg.kv_cache_config)))
         elif isinstance(msg, Shutdown):
             return 0
+
+
+def next_grammar(sock: zmq.Socket, from_engine: Codec, step: int, parent: int) -> GrammarOutput:
+    """Rank 0, sampling a step with constrained requests: the step's bitmask, the next message the engine core
+    sends (with async scheduling it comes once the previous step's output is applied)."""
+    while not sock.poll(PARENT_CHECK_MS):
+        if os.getppid() != parent:
+            raise RuntimeError(f"the engine core is gone while step {step} waits for its bitmask")
+    msg = from_engine.decode(sock.recv())
+    if not isinstance(msg, GrammarOutput) or msg.step != step:
+        raise RuntimeError(f"step {step} waits for its bitmask, and the engine core sent {msg!r:.200}")
+    return msg
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from protocol.sizes import cdiv
 from worker.attention_backends import BackendName
 from worker.block_table import BlockTableMismatch
 from worker.cuda_graphs import CudaGraphs, decode_bucket
+from worker.grammar_bitmask import GrammarSource, constrain
 from worker.kv_state import KVState, make_kv_state, padded_num_tokens
 from worker.model.base import CausalLM
 from worker.prompt_logprobs import PromptLogprobs
@@ -79,7 +80,8 @@ class ModelRunner:
         log.info("CUDA graphs: captured %d decode batch sizes (%s) in %.1f s", len(self.cuda_graph_sizes),
                  ", ".join(map(str, self.cuda_graph_sizes)), time.perf_counter() - start)
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput, grammar: GrammarSource | None = None) -> ModelRunnerOutput:
+        """grammar: the step's bitmask, for its constrained sampling rows (worker/grammar_bitmask.py)."""
         kv = self.kv
         kv.buffers.wait_for_copies()  # the host buffers and tables change from here on
         for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
@@ -94,7 +96,7 @@ class ModelRunner:
         self._null_out_of_window(batch)
         if so.block_table_digests is not None or self.check_block_tables:
             self._verify_tables(so, batch)
-        sampled, logprobs = self._run(batch, so.num_scheduled_tokens)
+        sampled, logprobs = self._run(batch, so.num_scheduled_tokens, grammar)
         return ModelRunnerOutput(step=so.step, req_ids=[r for r, _ in batch], sampled_token_ids=sampled,
                                  logprobs=logprobs, prompt_logprobs=self.prompt_logprobs.take(batch, sampled))
 
@@ -137,8 +139,8 @@ class ModelRunner:
                     skipped = num_skipped_blocks(nc, window, kv.block_size)
                     kv.tables.groups[g].null_skipped(kv.tables.rows[req_id], skipped)
 
-    def _run(self, batch: list[tuple[str, int]],
-             num_scheduled: dict[str, int]) -> tuple[list[list[int]], list[TokenLogprobs | None] | None]:
+    def _run(self, batch: list[tuple[str, int]], num_scheduled: dict[str, int],
+             grammar: GrammarSource | None = None) -> tuple[list[list[int]], list[TokenLogprobs | None] | None]:
         kv = self.kv
         ids, counts, computed, samplers = [], [], [], []
         for i, (req_id, nc) in enumerate(batch):
@@ -164,7 +166,7 @@ class ModelRunner:
             hidden = self._forward(num_padded_tokens, metas, num_tokens if bucket is None else bucket)
         if self.prompt_logprobs.pending:
             self.prompt_logprobs.collect(self._logits, hidden[:num_tokens], batch, counts)
-        result = self._sample(batch, hidden[:num_tokens], samplers)
+        result = self._sample(batch, hidden[:num_tokens], samplers, grammar)
         kv.buffers.record_copies()
         return result
 
@@ -198,8 +200,8 @@ class ModelRunner:
             kv.attention,
         )
 
-    def _sample(self, batch, hidden,
-                samplers: list[int]) -> tuple[list[list[int]], list[TokenLogprobs | None] | None]:
+    def _sample(self, batch, hidden, samplers: list[int],
+                grammar: GrammarSource | None = None) -> tuple[list[list[int]], list[TokenLogprobs | None] | None]:
         """Per request of the batch: its sampled token ([] for a prefill chunk that samples nothing), and on
         rank 0 the log-probabilities of those that asked for them (None: no request did)."""
         kv = self.kv
@@ -211,7 +213,7 @@ class ModelRunner:
         logits = self._logits(hidden[: len(batch)] if last is None else hidden.index_select(0, last))
         token_ids = torch.empty(len(samplers), dtype=torch.long, device=hidden.device)
         if logits is not None:  # rank 0: the other ranks get None
-            token_ids, logprobs = self._sample_logits(logits, samplers, len(batch))
+            token_ids, logprobs = self._sample_logits(logits, samplers, batch, grammar)
         for i, t in zip(samplers, self.tp.broadcast(token_ids).tolist(), strict=True):
             self.requests[batch[i][0]].token_ids.append(t)
             out[i] = [t]
@@ -225,12 +227,14 @@ class ModelRunner:
         logits = self.model.logits(hidden)
         return None if logits is None else logits[:n]
 
-    def _sample_logits(self, logits: torch.Tensor, samplers: list[int],
-                       num_reqs: int) -> tuple[torch.Tensor, list[TokenLogprobs | None] | None]:
-        """Rank 0: the sampling rows' tokens, and per request of the batch the log-probabilities of those that
-        asked for them (None: none did)."""
+    def _sample_logits(self, logits: torch.Tensor, samplers: list[int], batch: list[tuple[str, int]],
+                       grammar: GrammarSource | None) -> tuple[torch.Tensor, list[TokenLogprobs | None] | None]:
+        """Rank 0: the sampling rows' tokens (constrained rows masked by their grammar first), and per request of
+        the batch the log-probabilities of those that asked for them (None: none did)."""
         assert self.sampling is not None
+        num_reqs = len(batch)
         rows = self.kv.buffers.rows.np[:num_reqs][samplers]  # their block table rows: the sampling state's rows
+        constrain(logits, self.sampling.structured[rows], [batch[i][0] for i in samplers], grammar)
         meta = self.sampling.metadata(rows)
         token_ids = sample(logits, meta)
         self.sampling.record(rows, token_ids)

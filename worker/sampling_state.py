@@ -78,6 +78,7 @@ class SamplingState:
         self.recent = np.full((n, 1), NO_TOKEN, np.int64)  # each row's last outputs, oldest first (bad words)
         self._pairs: tuple[np.ndarray, ...] | None = None  # flattened stop_ids and bad_words, rebuilt on change
         self.in_batch, self.position_of = np.zeros(n, bool), np.zeros(n, np.int64)
+        self.structured = np.zeros(n, bool)  # rows with structured outputs: their grammar's bitmask comes each step
 
     # ---- requests in and out ---------------------------------------------------------------
 
@@ -90,6 +91,7 @@ class SamplingState:
         self.seed[row] = params.seed or 0
         self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.num_output[row], self.min_tokens[row] = len(outputs), params.min_tokens
+        self.structured[row] = params.structured_outputs is not None
         self._add_penalties(row, params, prompt, outputs)
         self._add_additive(row, params)
         self._add_sparse(row, params, outputs)
@@ -99,7 +101,7 @@ class SamplingState:
         if self.penalised[row]:
             assert self.penalties is not None
             self.penalties.remove(row)
-        self.penalised[row] = self.has_additive[row] = False
+        self.penalised[row] = self.has_additive[row] = self.structured[row] = False
         self._remove_sparse(row)
 
     def _add_penalties(self, row: int, params: SamplingParams, prompt: list[int], outputs: list[int]) -> None:

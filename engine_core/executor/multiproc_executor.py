@@ -32,6 +32,7 @@ import msgspec
 import zmq
 
 from protocol import (
+    GrammarOutput,
     InitKVCache,
     KVCacheConfig,
     ModelRunnerOutput,
@@ -260,8 +261,16 @@ class MultiprocExecutor:
         self.submit(scheduler_output)
         return self.collect(scheduler_output)
 
-    def submit(self, scheduler_output: SchedulerOutput) -> None:
+    def submit(self, scheduler_output: SchedulerOutput, grammar_follows: bool = False) -> None:
+        """grammar_follows: rank 0 (the rank that samples) waits for the step's GrammarOutput before it samples;
+        its own requests' parameters tell it so."""
         self._send_all(scheduler_output)
+
+    def submit_grammar(self, grammar: GrammarOutput) -> None:
+        try:
+            self.sock.send_multipart([self.identities[0], self.encoder.encode(grammar)])
+        except zmq.ZMQError as e:
+            raise WorkerFailedError(0, f"is unreachable ({e})", self.host_of(0)) from None
 
     def collect(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Rank 0's output of this step; workers run steps in the order they were sent."""

@@ -2,12 +2,16 @@
 
 It follows SchedulerOutputs exactly as a worker does (token histories, block tables rebuilt from
 full lists and appended ids) and checks them, so tests and simulations exercise the real
-protocol without a model.
+protocol without a model. A constrained request's token is the first its bitmask allows at or after
+the reference token (cyclically); the bitmask's rows must be the step's constrained sampling requests.
 """
+
+import numpy as np
 
 from engine_core.executor.abstract import InlineExecutor
 from protocol import (
     FullAttentionSpec,
+    GrammarOutput,
     KVCacheConfig,
     KVCacheSpec,
     ModelRunnerOutput,
@@ -42,6 +46,7 @@ class ReferenceExecutor(InlineExecutor):
         self.token_ids: dict[str, list[int]] = {}
         self.num_computed_tokens: dict[str, int] = {}
         self.block_tables: dict[str, list[list[int]]] = {}
+        self.constrained: set[str] = set()  # requests with structured outputs
 
     def determine_available_memory(self) -> list[WorkerKVReport]:
         return [
@@ -60,16 +65,41 @@ class ReferenceExecutor(InlineExecutor):
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self.kv_cache_config = kv_cache_config
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput, grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
+        self._update_state(so)
+        token_ids, num_computed_tokens = self.token_ids, self.num_computed_tokens
+        vocab_size = self.vocab_size
+        allowed = self._allowed_rows(so, grammar)
+        sampled: list[list[int]] = []
+        for req_id, num_tokens in so.num_scheduled_tokens.items():
+            tokens = token_ids[req_id]
+            computed = num_computed_tokens[req_id] + num_tokens
+            num_computed_tokens[req_id] = computed
+            if computed == len(tokens):
+                token = reference_next_token(tokens, vocab_size)
+                if req_id in allowed:
+                    ids = allowed[req_id]
+                    token = int(ids[np.searchsorted(ids, token) % len(ids)])
+                tokens.append(token)
+                sampled.append([token])
+            else:
+                sampled.append([])
+        return ModelRunnerOutput(step=so.step, req_ids=list(so.num_scheduled_tokens), sampled_token_ids=sampled)
+
+    def _update_state(self, so: SchedulerOutput) -> None:
+        """Token histories and block tables as the step leaves them, checked against the ledger's digests."""
         token_ids, num_computed_tokens, block_tables = self.token_ids, self.num_computed_tokens, self.block_tables
         for req_id in [*so.finished_req_ids, *so.preempted_req_ids]:
             token_ids.pop(req_id, None)
             num_computed_tokens.pop(req_id, None)
             block_tables.pop(req_id, None)
+            self.constrained.discard(req_id)
         for new in so.scheduled_new_reqs:
             token_ids[new.req_id] = [*new.prompt_token_ids, *new.output_token_ids]
             block_tables[new.req_id] = [list(group) for group in new.block_ids]
             num_computed_tokens[new.req_id] = new.num_computed_tokens
+            if new.sampling_params.structured_outputs is not None:
+                self.constrained.add(new.req_id)
         cached = so.scheduled_cached_reqs
         columns = zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True)
         for req_id, new_ids, computed in columns:
@@ -84,19 +114,23 @@ class ReferenceExecutor(InlineExecutor):
             for req_id, digest in so.block_table_digests.items():
                 if block_ids_digest(block_tables[req_id]) != digest:
                     raise RuntimeError(f"block table of {req_id} differs from the ledger at step {so.step}")
-        vocab_size = self.vocab_size
-        sampled: list[list[int]] = []
-        for req_id, num_tokens in so.num_scheduled_tokens.items():
-            tokens = token_ids[req_id]
-            computed = num_computed_tokens[req_id] + num_tokens
-            num_computed_tokens[req_id] = computed
-            if computed == len(tokens):
-                token = reference_next_token(tokens, vocab_size)
-                tokens.append(token)
-                sampled.append([token])
-            else:
-                sampled.append([])
-        return ModelRunnerOutput(step=so.step, req_ids=list(so.num_scheduled_tokens), sampled_token_ids=sampled)
+
+    def _allowed_rows(self, so: SchedulerOutput, grammar: GrammarOutput | None) -> dict[str, np.ndarray]:
+        """The allowed token ids of each constrained request that samples, after checking that the bitmask's rows
+        are exactly those requests in the batch order (new requests, then running ones)."""
+        if grammar is None and not self.constrained:
+            return {}
+        order = [*(new.req_id for new in so.scheduled_new_reqs), *so.scheduled_cached_reqs.req_ids]
+        samplers = [r for r in order if r in self.constrained
+                    and self.num_computed_tokens[r] + so.num_scheduled_tokens[r] == len(self.token_ids[r])]
+        rows = [] if grammar is None else grammar.structured_output_request_ids
+        if rows != samplers:
+            raise RuntimeError(f"step {so.step}: bitmask rows {rows}, constrained sampling requests {samplers}")
+        if grammar is None:
+            return {}
+        words = np.frombuffer(grammar.grammar_bitmask, "<i4").reshape(len(rows), -1)
+        bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]
+        return {r: np.flatnonzero(b) for r, b in zip(rows, bits, strict=True)}
 
     def _null_out_of_window(self, so: SchedulerOutput) -> None:
         """As a worker does: blocks wholly before a sliding window hold the null block, as in the ledger.

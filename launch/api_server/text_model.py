@@ -7,8 +7,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from launch.api_server.builtin_tokenizer import CHAT_TEMPLATE, builtin_tokenizer
 from launch.api_server.chat_template import render_chat
+from protocol.model.builtin_tokenizer import CHAT_TEMPLATE, builtin_tokenizer
 from protocol.model.gguf_meta import field as gguf_field
 from protocol.model.gguf_meta import open_gguf
 from protocol.model.tokenizer import load_tokenizer

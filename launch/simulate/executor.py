@@ -26,6 +26,7 @@ from launch.simulate.tier import SimDiskTier
 from launch.simulate.tokens import VOCAB_SIZE
 from protocol import (
     FullAttentionSpec,
+    GrammarOutput,
     KVCacheConfig,
     KVModelRunnerOutput,
     KVSchedulerOutput,
@@ -108,7 +109,9 @@ class SimExecutor(InlineExecutor):
         if self.reference is not None:
             self.reference.initialize_kv_cache(kv_cache_config)
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput, grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
+        if grammar is not None:
+            raise ValueError("the simulator runs no structured outputs (a trace has no grammars)")
         if self.on_execute is not None:
             self.on_execute()
         self._update_states(so)

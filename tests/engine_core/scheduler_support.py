@@ -30,11 +30,11 @@ class RecordingExecutor(ReferenceExecutor):
         self.outputs: list[SchedulerOutput] = []
         self.on_execute = None
 
-    def execute_model(self, so: SchedulerOutput):
+    def execute_model(self, so: SchedulerOutput, grammar=None):
         self.outputs.append(so)
         if self.on_execute is not None:
             self.on_execute(so)
-        return super().execute_model(so)
+        return super().execute_model(so, grammar)
 
 
 def make_core(

@@ -30,7 +30,7 @@ DEFAULTS = {
     "max_tokens": 16, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": None, "stop_token_ids": [],
     "ignore_eos": False, "logprobs": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
     "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0, "logit_bias": {}, "allowed_token_ids": None,
-    "bad_words_token_ids": [], "prompt_logprobs": None, "n": 1, "best_of": None,
+    "bad_words_token_ids": [], "prompt_logprobs": None, "n": 1, "best_of": None, "structured_outputs": None,
 }
 
 INVALID = [
