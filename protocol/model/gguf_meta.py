@@ -1,6 +1,22 @@
-"""Open a GGUF file and read its metadata fields; no torch, so the client-side tokenizer can use it."""
+"""Open a GGUF file and read its metadata fields; no torch, so the client-side tokenizer can use it.
+
+gguf_config turns llama.cpp's metadata into the config.json dict transformers would write for the same model, for
+the architectures kvengine serves natively: llama (also Mistral's files), qwen2, qwen3, qwen3moe, gemma2, gemma3.
+What llama.cpp fixes in code rather than in the file is filled in as llama.cpp does (Gemma 3's local rope base and
+1-in-6 global layers, Gemma's query scale of the 27B sizes).
+"""
 
 from pathlib import Path
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # these scale queries by hidden / heads, not the head size
 
 
 def open_gguf(path: str | Path):
@@ -20,21 +36,59 @@ def field(reader, key: str, default=None):
 def gguf_config(reader) -> dict:
     """An HF-style config.json dict from the GGUF metadata."""
     arch = field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; only llama")
-    heads = field(reader, "llama.attention.head_count")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+
+    def meta(key: str, default=None):
+        return field(reader, f"{arch}.{key}", default)
+
+    heads, hidden = meta("attention.head_count"), meta("embedding_length")
     eos = field(reader, "tokenizer.ggml.eos_token_id")
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": field(reader, "llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
-        "hidden_size": field(reader, "llama.embedding_length"),
-        "intermediate_size": field(reader, "llama.feed_forward_length"),
-        "num_hidden_layers": field(reader, "llama.block_count"),
+    cfg = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
+        "hidden_size": hidden,
+        "intermediate_size": meta("feed_forward_length"),
+        "num_hidden_layers": meta("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": field(reader, "llama.attention.head_count_kv", heads),
-        "rms_norm_eps": field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5),
-        "max_position_embeddings": field(reader, "llama.context_length", 2048),
-        "rope_theta": field(reader, "llama.rope.freq_base", 10000.0),
+        "num_key_value_heads": meta("attention.head_count_kv", heads),
+        "head_dim": meta("attention.key_length") or hidden // heads,
+        "rms_norm_eps": meta("attention.layer_norm_rms_epsilon", 1e-5),
+        "max_position_embeddings": meta("context_length", 2048),
+        "rope_theta": meta("rope.freq_base", 1_000_000.0 if arch == "gemma3" else 10000.0),
+        "rope_scaling": _rope_scaling(meta),
         "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
         "eos_token_id": eos,
     }
+    if arch in _GEMMA_27B_LAYERS:
+        cfg.update(_gemma(meta, cfg, arch))
+    if arch == "qwen3moe":
+        cfg.update(num_experts=meta("expert_count"), num_experts_per_tok=meta("expert_used_count"),
+                   moe_intermediate_size=meta("expert_feed_forward_length"), norm_topk_prob=True)
+    return cfg
+
+
+def _rope_scaling(meta) -> dict | None:
+    kind = meta("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    scaling = {"rope_type": kind, "factor": meta("rope.scaling.factor")}
+    if meta("rope.scaling.original_context_length"):
+        scaling["original_max_position_embeddings"] = meta("rope.scaling.original_context_length")
+    return scaling
+
+
+def _gemma(meta, cfg: dict, arch: str) -> dict:
+    big = cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
+    fields = {
+        "sliding_window": meta("attention.sliding_window"),
+        "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"],
+        "final_logit_softcapping": meta("final_logit_softcapping"),
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+    if arch == "gemma2":
+        fields["attn_logit_softcapping"] = meta("attn_logit_softcapping")
+    else:
+        fields.update(rope_local_base_freq=10000.0, sliding_window_pattern=6)
+    return fields

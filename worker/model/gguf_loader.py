@@ -1,23 +1,36 @@
-"""GGUF Llama checkpoints (optional extra `gguf`): config from metadata, weights dequantised at load."""
+"""GGUF checkpoints (optional extra `gguf`): config from metadata, weights dequantised at load and renamed to the
+Hugging Face names, undoing what llama.cpp's conversion changed (Llama's interleaved Q/K rows, Gemma's norm
+weights stored with their 1 added, MoE experts stacked in one tensor)."""
 
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from protocol.model.gguf_meta import gguf_config, open_gguf
+from protocol.model.gguf_meta import field, gguf_config, open_gguf
 
 _NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+_GEMMA_NAMES = {  # Gemma's four norms a layer
+    **_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -26,22 +39,35 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def hf_tensors(name: str, data: np.ndarray, cfg: dict, arch: str) -> dict[str, np.ndarray]:
+    """One GGUF tensor as the HF tensors it holds (several for stacked experts)."""
+    parts = name.split(".")
+    gemma = arch.startswith("gemma")
+    if parts[0] != "blk":
+        if parts[0] not in _TOP:
+            raise ValueError(f"GGUF tensor {name!r} has no counterpart here (Llama 3.1's rope_freqs is not supported)")
+        return {f"{_TOP[parts[0]]}.{parts[-1]}": data - 1 if gemma and parts[0] == "output_norm" else data}
+    layer, kind, suffix = parts[1], parts[2], parts[-1]
+    prefix = f"model.layers.{layer}"
+    if kind in _EXPERTS:
+        return {f"{prefix}.mlp.experts.{e}.{_EXPERTS[kind]}.{suffix}": data[e] for e in range(data.shape[0])}
+    if arch == "llama" and kind in ("attn_q", "attn_k"):
+        data = _unpermute(data, cfg["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"])
+    names = _GEMMA_NAMES if gemma else _NAMES
+    if kind not in names:
+        raise ValueError(f"GGUF tensor {name!r} has no counterpart in a {arch} model here")
+    if gemma and kind.endswith("norm"):
+        data = data - 1  # llama.cpp stores Gemma's norm weights as 1 + weight
+    return {f"{prefix}.{names[kind]}.{suffix}": data}
+
+
 def load_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     gguf, reader = open_gguf(path)
     cfg = gguf_config(reader)
+    arch = field(reader, "general.architecture")
     weights = {}
     for t in reader.tensors:
         data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        parts = t.name.split(".")
-        if parts[0] == "blk":
-            kind = parts[2]
-            if kind == "attn_q":
-                data = _unpermute(data, cfg["num_attention_heads"])
-            elif kind == "attn_k":
-                data = _unpermute(data, cfg["num_key_value_heads"])
-            name = f"model.layers.{parts[1]}.{_NAMES[kind]}.weight"
-        else:
-            name = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}[parts[0]]
-            name += ".weight"
-        weights[name] = torch.from_numpy(np.ascontiguousarray(data))
+        for name, value in hf_tensors(t.name, data, cfg, arch).items():
+            weights[name] = torch.from_numpy(np.ascontiguousarray(value))
     return cfg, weights
