@@ -1,9 +1,10 @@
-"""Model benchmarks: engine vs transformers generate, cached-prefix prefill, paged attention vs SDPA, and the
-worker's decode step.
+"""Model benchmarks: engine vs transformers generate, cached-prefix prefill, paged attention vs SDPA, the
+worker's decode step, and native models against the transformers fallback (--model-impl).
 
     python -m bench.model_bench                 # everything, both models
     python -m bench.model_bench --only attention --device cuda
     python -m bench.model_bench --only step --models large --threads 2
+    python -m bench.model_bench --only impl     # Qwen3- and MoE-shaped: native vs transformers fallback
 
 Figures depend on the machine and on what else runs there; the numbers are printed, never asserted.
 """
@@ -160,16 +161,15 @@ def bench_prefix(name: str, folder, device, repeats: int = 3) -> list[list]:
 # ---- one decode step of the worker -----------------------------------------------------------------
 
 
-def bench_step(name: str, folder, device, batch: int = 64, prompt_len: int = 256, steps: int = 32) -> list[list]:
-    """Worker.execute_model of decode steps at `batch` requests (prompts of prompt_len, prefilled first): the
-    median step, including the runner's inputs, metadata, forward and sampling, not the scheduler. Wall time, and
-    the thread's CPU time (with --threads 1 all of the step's work, and less moved by other processes)."""
+def timed_worker_run(folder, device, batch: int, prompt_len: int, steps: int, model_impl: str = "auto"):
+    """A worker running `batch` prompts of prompt_len (one prefill step) and `steps` decode steps; (worker, the
+    CallTimes of its execute_model calls: the prefill, the decode steps, the last empty step)."""
     from tests.worker.harness import Driver, kv_config
     from worker.worker import Worker
 
     config = engine_config(model=str(folder), device=device, max_model_len=prompt_len + steps + 16,
                            max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
-                           kv_cache_memory_bytes=[1 << 30])
+                           kv_cache_memory_bytes=[1 << 30], model_impl=model_impl)
     w = Worker(config)
     cfg = kv_config(w, batch * -(-(prompt_len + steps + 16) // 16) + 1)
     w.init_kv_cache(cfg)
@@ -177,11 +177,59 @@ def bench_step(name: str, folder, device, batch: int = 64, prompt_len: int = 256
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 1000) for _ in range(prompt_len)] for _ in range(batch)]
     Driver(w, cfg, prefix_caching=False).run(prompts, steps + 1)
+    return w, timed
+
+
+def bench_step(name: str, folder, device, batch: int = 64, prompt_len: int = 256, steps: int = 32) -> list[list]:
+    """Worker.execute_model of decode steps at `batch` requests (prompts of prompt_len, prefilled first): the
+    median step, including the runner's inputs, metadata, forward and sampling, not the scheduler. Wall time, and
+    the thread's CPU time (with --threads 1 all of the step's work, and less moved by other processes)."""
+    w, timed = timed_worker_run(folder, device, batch, prompt_len, steps)
     decode = sorted(timed.wall[1:-1])  # not the prefill, not the last (empty) step
     progress(f"{name}: decode steps (ms): {' '.join(f'{t * 1e3:.1f}' for t in timed.wall[1:-1])}")
     return [[name, batch, str(w.dtype).removeprefix("torch."), w.runner.attention_backend,
              f"{decode[len(decode) // 2] * 1e3:.2f}", f"{decode[0] * 1e3:.2f}",
              f"{statistics.median(timed.cpu[1:-1]) * 1e3:.2f}"]]
+
+
+# ---- native implementation vs the transformers fallback ------------------------------------------
+
+IMPL_MODELS = {  # transformers config class and sizes: Qwen3-0.6B's layer shapes, and a small Qwen3-MoE
+    "qwen3-shaped": ("Qwen3Config", {"hidden_size": 1024, "intermediate_size": 3072, "num_attention_heads": 16,
+                                     "num_key_value_heads": 8, "head_dim": 128}),
+    "moe-shaped": ("Qwen3MoeConfig", {"hidden_size": 1024, "intermediate_size": 3072, "num_attention_heads": 16,
+                                      "num_key_value_heads": 4, "head_dim": 64, "num_experts": 32,
+                                      "num_experts_per_tok": 4, "moe_intermediate_size": 384}),
+}
+
+
+def write_impl_model(name: str, folder: Path) -> Path:
+    import transformers
+
+    cls_name, sizes = IMPL_MODELS[name]
+    config = getattr(transformers, cls_name)(vocab_size=8192, num_hidden_layers=8, max_position_embeddings=4096,
+                                             eos_token_id=None, **sizes)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def bench_impl(name: str, folder, device, impl: str) -> list:
+    """Median decode step at batch 1 and 64 (prompts of 128, 16 steps) and the prefill of one 2,048-token prompt
+    (best of 3), in ms."""
+    row = [name, impl]
+    for batch in (1, 64):
+        w, timed = timed_worker_run(folder, device, batch, 128, 16, impl)
+        row.append(f"{statistics.median(timed.wall[1:-1]) * 1e3:.1f}")
+    prefills = [timed_worker_run(folder, device, 1, 2048, 1, impl)[1].wall[0] for _ in range(3)]
+    return [*row, f"{min(prefills) * 1e3:.0f}", str(w.dtype).removeprefix("torch."), w.runner.attention_backend]
+
+
+def run_impl(device) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [bench_impl(name, write_impl_model(name, Path(tmp) / name), device, impl)
+                for name in IMPL_MODELS for impl in ("native", "transformers")]
+    table("native implementation vs the transformers fallback (ms)",
+          ["model", "impl", "decode b=1", "decode b=64", "prefill 2,048", "dtype", "attention"], rows)
 
 
 # ---- paged attention vs SDPA on contiguous K/V ---------------------------------------------------
@@ -247,7 +295,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--models", default="tiny,large")
-    ap.add_argument("--only", choices=["throughput", "prefix", "attention", "step"], action="append")
+    ap.add_argument("--only", choices=["throughput", "prefix", "attention", "step", "impl"], action="append")
     ap.add_argument("--quick", action="store_true", help="smaller workloads (16 ragged requests)")
     ap.add_argument("--hf-batch", type=int, default=8, help="transformers generate batch size")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -267,6 +315,10 @@ def main() -> None:
             ["shape", "blocks", "threads", "paged ms", "SDPA ms", "ratio", "max |diff|"],
             rows,
         )
+    if "impl" in parts:
+        run_impl(args.device)
+    if parts == ["impl"]:
+        return
     with tempfile.TemporaryDirectory() as tmp:
         folders = {}
         for name in args.models.split(","):
