@@ -1,5 +1,6 @@
 """One worker rank: loads its model shard, sizes the KV cache, executes SchedulerOutputs."""
 
+import functools
 import logging
 
 import torch
@@ -24,6 +25,7 @@ from protocol.sizes import cdiv
 from worker import memory
 from worker.attention_backends import resolve_backend
 from worker.cuda_graphs import cuda_graph_sizes
+from worker.grammar_bitmask import GrammarSource
 from worker.kv_connector.disk import DiskConnectorWorker
 from worker.kv_connector.factory import make_kv_connector_worker
 from worker.kv_connector.fingerprint import kv_fingerprint
@@ -162,10 +164,12 @@ class Worker:
         return WorkerReady(rank=self.rank, num_blocks=cfg.num_blocks)
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput, grammar: GrammarSource | None = None) -> ModelRunnerOutput:
+        """grammar: where the step's bitmask comes from, if constrained requests sample in it (rank 0)."""
+        run = functools.partial(self.runner.execute_model, grammar=grammar)
         if self.kv_connector is not None:
-            return self.kv_connector.execute(scheduler_output, self.runner.execute_model)
-        return self.runner.execute_model(scheduler_output)
+            return self.kv_connector.execute(scheduler_output, run)
+        return run(scheduler_output)
 
     def shutdown(self) -> None:
         if self.kv_connector is not None:
