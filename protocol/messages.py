@@ -74,6 +74,7 @@ class TokenLogprobs(msgspec.Struct, **_struct):
     logprob: float
     top_token_ids: list[int] = []
     top_logprobs: list[float] = []
+    rank: int | None = None  # prompt log-probabilities: the token's rank in its distribution (1: most likely)
 
 
 class EngineCoreOutput(msgspec.Struct, **_struct):

@@ -63,9 +63,10 @@ class PromptLogprobs:
 
 
 def _logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+    """Each target's log-probability and rank (1 + the tokens more likely), and the k most likely tokens."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device).unsqueeze(1)).squeeze(1).tolist()
-    if not k:
-        return [TokenLogprobs(c) for c in chosen]
+    chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device).unsqueeze(1))
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
     best, best_ids = logprobs.topk(k, dim=-1)
-    return [TokenLogprobs(c, i, b) for c, i, b in zip(chosen, best_ids.tolist(), best.tolist(), strict=True)]
+    return [TokenLogprobs(c, i, b, r) for c, i, b, r in zip(chosen.squeeze(1).tolist(), best_ids.tolist(),
+                                                           best.tolist(), ranks, strict=True)]

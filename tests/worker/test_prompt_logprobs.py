@@ -56,6 +56,7 @@ def assert_matches(prompt_lps, reference, k: int) -> None:
     for p, lp in enumerate(prompt_lps):
         row = reference[p]
         assert lp.logprob == pytest.approx(float(row[PROMPT[p + 1]]), abs=TOL)
+        assert lp.rank == int((row > row[PROMPT[p + 1]]).sum()) + 1
         best = row.topk(k)
         assert lp.top_token_ids == best.indices.tolist()
         assert lp.top_logprobs == pytest.approx(best.values.tolist(), abs=TOL)
