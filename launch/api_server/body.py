@@ -1,6 +1,7 @@
 """A request body read within a size and a time limit, then decoded: every failure is an error in OpenAI's shape."""
 
 import asyncio
+import re
 from typing import TypeVar
 
 import msgspec
@@ -10,6 +11,9 @@ from starlette.requests import ClientDisconnect
 from launch.api_server.errors import ApiError, bad_body, closing
 
 T = TypeVar("T")
+_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}:]')  # strings (escapes included) and structure
+MAX_DEPTH = 500  # past this a field is named as the one too deep (the decoder gives up near 1,000)
+MAX_SCAN = 1_000_000
 
 
 async def read_body(request: Request, limit: int, timeout: float) -> bytes:
@@ -43,4 +47,25 @@ def decode(body: bytes, kind: type[T]) -> T:
     except msgspec.DecodeError as e:
         raise bad_body(e) from None
     except RecursionError:
-        raise ApiError(400, "invalid request: JSON nested too deeply") from None
+        raise ApiError(400, "invalid request: JSON nested too deeply", _too_deep(body)) from None
+
+
+def _too_deep(body: bytes) -> str | None:
+    """The top-level field whose value nests past what decoding allows: a scan of the JSON's structure (strings
+    skipped, at most MAX_SCAN tokens), since the decoder cannot tell where it gave up."""
+    depth, key, text = 0, None, b""
+    for count, match in enumerate(_TOKENS.finditer(body)):
+        token = match.group()
+        if token[0] == ord('"'):
+            text = token
+        elif token == b":" and depth == 1:
+            key = text
+        elif token in (b"[", b"{"):
+            depth += 1
+            if depth > MAX_DEPTH and key is not None:
+                return key[1:-1].decode(errors="replace")[:64]
+        elif token in (b"]", b"}"):
+            depth -= 1
+        if count > MAX_SCAN:
+            break
+    return None
