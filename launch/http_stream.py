@@ -13,8 +13,8 @@ class HttpError(RuntimeError):
     pass
 
 
-async def get_json(url: str) -> dict:
-    reader, writer = await _send(url, "GET", b"")
+async def get_json(url: str, api_key: str | None = None) -> dict:
+    reader, writer = await _send(url, "GET", b"", api_key)
     try:
         status, headers = await _read_head(reader)
         body = b"".join([chunk async for chunk in _body(reader, headers)])
@@ -25,9 +25,9 @@ async def get_json(url: str) -> dict:
     return json.loads(body)
 
 
-async def post_sse(url: str, payload: dict) -> AsyncIterator[dict]:
+async def post_sse(url: str, payload: dict, api_key: str | None = None) -> AsyncIterator[dict]:
     """POST payload as JSON and yield the JSON of each `data:` event until `[DONE]`."""
-    reader, writer = await _send(url, "POST", json.dumps(payload).encode())
+    reader, writer = await _send(url, "POST", json.dumps(payload).encode(), api_key)
     try:
         status, headers = await _read_head(reader)
         if status != 200:
@@ -47,10 +47,12 @@ async def post_sse(url: str, payload: dict) -> AsyncIterator[dict]:
         writer.close()
 
 
-async def _send(url: str, method: str, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def _send(url: str, method: str, body: bytes,
+                api_key: str | None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     parts = urlsplit(url)
     reader, writer = await asyncio.open_connection(parts.hostname, parts.port or 80, limit=1 << 20)
-    head = (f"{method} {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\nConnection: close\r\n"
+    auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+    head = (f"{method} {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\nConnection: close\r\n{auth}"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
     writer.write(head.encode() + body)
     await writer.drain()

@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import sys
 import time
@@ -42,6 +43,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="kvengine: the native ZeroMQ client; openai: streamed /v1/completions of any "
                         "OpenAI-compatible server at --base-url (prompts sent as token ids)")
     p.add_argument("--base-url", default=None, help="with --backend openai: e.g. http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="with --backend openai: sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
     p.add_argument("--workload", choices=["random", "shared-prefix", "multi-turn"], default="random")
     p.add_argument("--num-prompts", type=int, default=64, help="requests (multi-turn: conversations)")
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens (shared-prefix: prefix included)")
@@ -117,7 +120,7 @@ async def run_one_openai(url: str, model: str, prompt: list[int], args: argparse
     start = last = time.perf_counter()
     result = RequestResult(ttft=0.0, latency=0.0, output_tokens=0, finish_reason=None)
     chunks = 0
-    async for event in post_sse(url, payload):
+    async for event in post_sse(url, payload, args.api_key):
         now = time.perf_counter()
         for choice in event.get("choices") or []:
             if choice.get("text"):
@@ -221,7 +224,7 @@ async def sample_stats(client: AsyncEngineClient, period: float, samples: list[t
 
 async def _bench_openai(args: argparse.Namespace) -> tuple[dict, list[tuple[float, SchedulerStats]]]:
     base = args.base_url.rstrip("/").removesuffix("/v1")
-    model = (await get_json(f"{base}/v1/models"))["data"][0]["id"]
+    model = (await get_json(f"{base}/v1/models", args.api_key))["data"][0]["id"]
     rng = random.Random(args.seed + 1)
     results, elapsed = await drive(
         lambda prompt: run_one_openai(f"{base}/v1/completions", model, prompt, args, rng), args)
