@@ -258,6 +258,8 @@ RULES: dict[str, Callable[[str, Context], None] | str] = {
     r"```text\n +HTTP \(OpenAI API\)": "a diagram (docs/architecture.md)",
     r"kvengine serve --address ": run_readme_server,
     r"kvengine serve -dp 2 ": run_readme_server,
+    r"python -m bench\.(?!dp_trace)": "a benchmark that prints figures (minutes on 2 cores); "
+                                    "tests/e2e/test_bench_scripts.py runs every bench script's --help",
     r"python -m bench.dp_trace": "replays the whole trace six times (about 20 minutes); tests/launch/test_simulate_dp.py "
                                  "runs the DP replay, and the kvengine simulate -dp line here runs",
     r"kvengine serve --model \S+ --device cuda": "needs CUDA GPUs and a local ./Qwen2-0.5B folder",
