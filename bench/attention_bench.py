@@ -1,7 +1,9 @@
-"""Paged attention per layer call: the in-place CPU kernel (worker/ops) vs the torch path (worker/attention.py).
+"""Paged attention per layer call: the in-place CPU kernel (worker/ops) vs the torch path (worker/attention.py),
+and over a quantized KV cache (--kv-cache-dtype int8 / fp8_e4m3 / fp8_e5m2) against the model's dtype.
 
     python -m bench.attention_bench                  # built-in model shapes, 2 threads
     python -m bench.attention_bench --threads 1 --repeats 50
+    python -m bench.attention_bench --only-kv-dtypes # just the quantized-cache table: decode 64 x context 4,096
 
 Each case is one step of one layer: metadata is built once per step (its time is printed apart) and each
 layer call writes the step's K/V and attends. Figures are medians of repeats; they depend on the machine and
@@ -14,8 +16,9 @@ import statistics
 
 import torch
 
-from bench.timing import repeat, stopwatch
+from bench.timing import interleaved, medians, repeat, stopwatch
 from worker.attention import DECODE_CHUNK_BYTES, GatherBuffer, StepRequests, build_metadata, paged_attention
+from worker.kv_quant import KVCache, QuantizedKV, allocate, write_quantized
 from worker.ops.cpu_attention import build_cpu_metadata, cpu_paged_attention, load_extension
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 8, 4, 32, 16  # the built-in model
@@ -43,7 +46,9 @@ def mixed_plan(rng: random.Random) -> list[tuple[int, int]]:
 class Step:
     """One step's inputs for one layer: a cache holding every request's prefix, and the new q/k/v."""
 
-    def __init__(self, plan, dtype, scattered: bool, seed=0):
+    def __init__(self, plan, dtype, scattered: bool, seed=0, kv_quant: str = "", shape=(HEADS, KV_HEADS, HEAD_SIZE)):
+        heads, kv_heads, head_size = shape
+        self.head_size = head_size
         g = torch.Generator().manual_seed(seed)
         need = [-(-(c + n) // BLOCK_SIZE) for c, n in plan]
         num_blocks = sum(need) + 1
@@ -53,11 +58,13 @@ class Step:
         for r, n in enumerate(need):
             self.table[r, :n] = ids[used : used + n].to(torch.int32)
             used += n
-        self.cache = torch.randn(2, KV_HEADS, num_blocks, BLOCK_SIZE, HEAD_SIZE, generator=g).to(dtype)
+        self.cache: KVCache = torch.randn(2, kv_heads, num_blocks, BLOCK_SIZE, head_size, generator=g).to(dtype)
+        if kv_quant:
+            self.cache = quantized(self.cache, kv_quant)
         tokens = sum(n for _, n in plan)
-        self.q = torch.randn(tokens, HEADS, HEAD_SIZE, generator=g).to(dtype)
-        self.k = torch.randn(tokens, KV_HEADS, HEAD_SIZE, generator=g).to(dtype)
-        self.v = torch.randn(tokens, KV_HEADS, HEAD_SIZE, generator=g).to(dtype)
+        self.q = torch.randn(tokens, heads, head_size, generator=g).to(dtype)
+        self.k = torch.randn(tokens, kv_heads, head_size, generator=g).to(dtype)
+        self.v = torch.randn(tokens, kv_heads, head_size, generator=g).to(dtype)
         counts, computed = torch.tensor([n for _, n in plan]), torch.tensor([c for c, _ in plan])
         rows = torch.arange(len(plan))
         self.reqs = StepRequests(
@@ -68,10 +75,10 @@ class Step:
             positions=torch.cat([torch.arange(c, c + n) for c, n in plan]),
             token_rows=torch.repeat_interleave(rows, counts),
         )
-        self.kv_bytes_per_token = 2 * KV_HEADS * HEAD_SIZE * self.cache.element_size()
+        self.kv_bytes_per_token = 2 * kv_heads * head_size * self.q.element_size()
         max_tokens = self.table.shape[1] * BLOCK_SIZE
         self.buffer = GatherBuffer(
-            max(max_tokens, DECODE_CHUNK_BYTES // self.kv_bytes_per_token), KV_HEADS, HEAD_SIZE, dtype, "cpu"
+            max(max_tokens, DECODE_CHUNK_BYTES // self.kv_bytes_per_token), kv_heads, head_size, dtype, "cpu"
         )
 
     def torch_meta(self):
@@ -82,10 +89,20 @@ class Step:
         return build_cpu_metadata(self.table, r.rows, r.num_computed, r.num_scheduled, BLOCK_SIZE, None)
 
     def torch_layer(self, meta):
-        return paged_attention(self.q, self.k, self.v, self.cache, meta, self.buffer, HEAD_SIZE**-0.5)
+        return paged_attention(self.q, self.k, self.v, self.cache, meta, self.buffer, self.head_size**-0.5)
 
     def kernel_layer(self, meta):
-        return cpu_paged_attention(self.q, self.k, self.v, self.cache, meta, HEAD_SIZE**-0.5)
+        return cpu_paged_attention(self.q, self.k, self.v, self.cache, meta, self.head_size**-0.5)
+
+
+def quantized(cache: torch.Tensor, kv_quant: str) -> QuantizedKV:
+    """The cache's values written into a quantized cache of its shape, a block at a time as the worker would."""
+    heads, hd = cache.shape[1], cache.shape[4]
+    q = allocate(tuple(cache.shape), kv_quant, lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+    slots = torch.arange(cache.shape[2] * cache.shape[3])
+    flat = cache.view(2, heads, -1, hd)
+    write_quantized(q, flat[0].transpose(0, 1), flat[1].transpose(0, 1), slots)
+    return q
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -113,15 +130,61 @@ def bench_case(name: str, plan, dtype, scattered: bool, repeats: int) -> list:
     ]
 
 
+KV_DTYPES = ("", "int8", "fp8_e4m3", "fp8_e5m2")  # "": the model's dtype
+
+
+def kv_dtype_rows(dtype, context: int, repeats: int, shape: tuple[int, int, int]) -> list[list]:
+    """Decode 64 at one context, scattered blocks: the kernel's layer call per KV cache dtype, against the first. The
+    dtypes take turns within each round (interleaved), so a neighbour's load falls on all of them alike."""
+    plan = [(context - 1, 1)] * 64
+    steps = {kv_quant: Step(plan, dtype, scattered=True, kv_quant=kv_quant, shape=shape) for kv_quant in KV_DTYPES}
+    with torch.inference_mode():
+        metas = {kv_quant: step.kernel_meta() for kv_quant, step in steps.items()}
+        outs = {kv_quant: step.kernel_layer(metas[kv_quant]).float() for kv_quant, step in steps.items()}
+
+        def timed(kv_quant: str) -> float:
+            with stopwatch() as lap:
+                steps[kv_quant].kernel_layer(metas[kv_quant])
+            return lap.wall * 1e3
+
+        ms = medians(interleaved({kv_quant: lambda _, kv_quant=kv_quant: timed(kv_quant) for kv_quant in KV_DTYPES},
+                                 repeats))
+    rows = []
+    for kv_quant in KV_DTYPES:
+        kv_bytes = 64 * context * shape[1] * 2 * shape[2] * (1 if kv_quant else steps[""].q.element_size())
+        diff = (outs[kv_quant] - outs[""]).abs().max().item()
+        rows.append([kv_quant or str(dtype).removeprefix("torch."), f"{kv_bytes / 2**20:.0f} MiB",
+                     f"{ms[kv_quant]:.2f}", f"{ms[''] / ms[kv_quant]:.2f}x", f"{diff:.1e}"])
+    return rows
+
+
+def kv_dtype_table(args) -> None:
+    shape = (args.heads, args.kv_heads, args.head_size)
+    for dtype in (torch.bfloat16, torch.float32):
+        table(f"decode 64 x context {args.context:,} (scattered blocks), {args.heads}/{args.kv_heads} heads x "
+              f"{args.head_size}, model {str(dtype).removeprefix('torch.')}, CPU kernel layer call (write K/V + attend), "
+              f"{args.threads} threads, median of {args.repeats} interleaved rounds (ms)",
+              ["KV cache", "K/V read", "layer", "speed-up", "max diff"],
+              kv_dtype_rows(dtype, args.context, args.repeats, shape))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--context", type=int, default=4096, help="the KV dtype table's context per request")
+    ap.add_argument("--only-kv-dtypes", action="store_true", help="only the KV dtype table")
+    ap.add_argument("--heads", type=int, default=HEADS, help="the KV dtype table's q heads")
+    ap.add_argument("--kv-heads", type=int, default=KV_HEADS, help="the KV dtype table's KV heads")
+    ap.add_argument("--head-size", type=int, default=HEAD_SIZE, help="the KV dtype table's head size")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with stopwatch() as lap:
         load_extension()
     print(f"extension ready in {lap.wall:.1f} s (compiles on first use on a machine)")
+    kv_dtype_table(args)
+    if args.only_kv_dtypes:
+        return
     rng = random.Random(0)
     decode, mixed = decode_plan(rng), mixed_plan(rng)
     mean_ctx = statistics.mean(c for c, _ in decode)

@@ -76,6 +76,16 @@ inline void codes_to_float(const uint8_t* src, float* dst, int64_t n, CodeReader
   }
 }
 
+// n codes as bf16 bits, unscaled (exact: every int8 and fp8 value, e4m3's 2^-8 included, is a bf16 value), for the
+// bf16 dot products; n a multiple of kLanes.
+inline void codes_to_bf16(const uint8_t* src, uint16_t* dst, int64_t n, CodeReader r) {
+  typedef uint16_t vbits __attribute__((vector_size(kLanes * 2)));
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const vbits b = __builtin_convertvector(reinterpret_cast<vint>(load_codes(src + i, r)) >> 16, vbits);
+    std::memcpy(dst + i, &b, sizeof(b));
+  }
+}
+
 }  // namespace
 
 // Writes n new rows of one (K or V, kv head) into a block at offsets [start, start + n): x is n x head_size fp32,

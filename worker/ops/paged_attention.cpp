@@ -15,7 +15,9 @@
 // window) and unwritten slots are never read.
 //
 // A quantized cache (kv_quant.h: int8 or fp8 codes, one fp32 scale per K/V, kv head and block) is read in
-// place the same way: a block's codes are widened to fp32 and scaled as they are used, never copied whole.
+// place the same way: the codes of the blocks in use are widened into a block's or a span's scratch (to bf16,
+// exact, where a compile-time head size or the bf16 dot products take them; else to fp32), never the whole
+// cache; a block's K scale multiplies its scores and its V scale the probabilities.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -151,7 +153,8 @@ class ItemRunner {
         scores_(static_cast<size_t>(key_stride_) * kLanes), acc_(static_cast<size_t>(kLanes) * d_),
         kf_(std::is_same_v<C, float> ? 0 : static_cast<size_t>(s.block_size) * d_), vf_(kf_.size()),
         dot_(kDotT && d_ % 32 == 0), qbits_(dot_ ? static_cast<size_t>(d_) * kLanes : 0), qpairs_(qbits_.size()),
-        codes_(code_reader(s.quant)) {}
+        codes_(code_reader(s.quant)), kbf_(kQuant && dot_ ? static_cast<size_t>(s.block_size) * d_ : 0),
+        vbf_(kQuant && kInRegisters ? static_cast<size_t>(span_blocks_ * s.block_size) * d_ : 0) {}
 
 
   void run(const Item& it, const Request& rq) {
@@ -207,7 +210,8 @@ class ItemRunner {
         const C* k = block_of(k_head, b);
         const C* v = block_of(v_head, b);
         if (dot_) {
-          score_wide_dot(k, static_cast<int32_t>(base), j0, j1);
+          dot_scale_ = s_.scale * k_scale(rq, b);
+          score_wide_dot(dot_keys(k, j0, j1), static_cast<int32_t>(base), j0, j1);
         } else {
           score_wide(as_float(k, j0, j1, kf_, k_scale(rq, b)), static_cast<int32_t>(base), j0, j1);
         }
@@ -229,8 +233,9 @@ class ItemRunner {
         for (int64_t b = b0; b < b1; ++b) {
           const C* k = block_of(k_head, b);
           const C* ahead = b + span_blocks_ <= last ? block_of(k_head, b + span_blocks_) : nullptr;
-          score_narrow(dot_ ? nullptr : as_float(k, key_begin(b), key_end(b), kf_, k_scale(rq, b)), k,
-                       static_cast<int32_t>(b * BS),
+          dot_scale_ = s_.scale * k_scale(rq, b);
+          score_narrow(dot_ ? nullptr : as_float(k, key_begin(b), key_end(b), kf_, k_scale(rq, b)),
+                       dot_ ? dot_keys(k, key_begin(b), key_end(b)) : nullptr, static_cast<int32_t>(b * BS),
                        key_begin(b), key_end(b), static_cast<int>((b - b0) * BS), ahead,
                        b0 == first ? block_of(v_head, b) : nullptr);
         }
@@ -255,8 +260,21 @@ class ItemRunner {
   static constexpr int64_t kSpanKeys = 64;         // narrow items' keys per online-softmax step
   // bf16 on CPUs with AVX512-BF16: scores by bf16 dot products read straight from the cache, queries kept
   // unscaled in bf16 (exact) and the scale applied to the fp32 scores.
-  static constexpr bool kDotT = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T> && kBf16Dot;
+  // A quantized cache takes that path too, a block's codes widened to bf16 (exact) and its scale applied to the scores.
   static constexpr bool kQuant = std::is_same_v<C, uint8_t>;
+  static constexpr bool kDotT = std::is_same_v<T, c10::BFloat16> && (std::is_same_v<C, T> || kQuant) && kBf16Dot;
+  using DotT = std::conditional_t<kQuant, c10::BFloat16, C>;  // the keys the bf16 dot products read
+
+  // Keys [j0, j1) of a block for the dot products: the cache itself, or a quantized block's codes as bf16 in scratch.
+  const DotT* dot_keys(const C* src, int j0, int j1) {
+    if constexpr (kQuant) {
+      const int64_t D = d();
+      codes_to_bf16(src + j0 * D, kbf_.data() + j0 * D, (j1 - j0) * D, codes_);
+      return reinterpret_cast<const DotT*>(kbf_.data());
+    } else {
+      return src;
+    }
+  }
 
   // A quantized block's K (V) scale, the code reader's factor folded in; 1 unquantized.
   float k_scale(const Request& rq, int64_t b) const { return kQuant ? k_scales_[rq.blocks[b]] * codes_.mult : 1.0f; }
@@ -348,16 +366,16 @@ class ItemRunner {
   }
 
   // score_wide from bf16 keys: per pair of key elements, one vdpbf16ps for every row.
-  void score_wide_dot(const C* k, int32_t base, int j0, int j1) {
+  void score_wide_dot(const DotT* k, int32_t base, int j0, int j1) {
     if constexpr (kDotT) {
       const int D = d();
       const vint lo = load_int(lo_), hi = load_int(hi_);
-      const vfloat scale = splat(s_.scale);
+      const vfloat scale = splat(dot_scale_);
       const bool seen = seen_by_all(base, j0, j1);
       vfloat block_max = splat(kMasked);
       int j = j0;
       for (; j + 4 <= j1; j += 4) {
-        const C* kj = k + static_cast<int64_t>(j) * D;
+        const DotT* kj = k + static_cast<int64_t>(j) * D;
         vfloat s0{}, s1{}, s2{}, s3{};
         for (int i = 0; i < D; i += 2) {
           const uint16_t* qi = qbits_.data() + i * kLanes;
@@ -372,7 +390,7 @@ class ItemRunner {
         block_max = vmax(block_max, mask_and_store(s3 * scale, base, j + 3, lo, hi, seen));
       }
       for (; j < j1; ++j) {
-        const C* kj = k + static_cast<int64_t>(j) * D;
+        const DotT* kj = k + static_cast<int64_t>(j) * D;
         vfloat s{};
         for (int i = 0; i < D; i += 2) s = dot_bf16_pair(s, qbits_.data() + i * kLanes, pair(kj + i));
         block_max = vmax(block_max, mask_and_store(s * scale, base, j, lo, hi, seen));
@@ -381,7 +399,7 @@ class ItemRunner {
     }
   }
 
-  static uint32_t pair(const C* p) {  // two adjacent bf16 values as one 32-bit lane
+  static uint32_t pair(const DotT* p) {  // two adjacent bf16 values as one 32-bit lane
     uint32_t b;
     std::memcpy(&b, p, sizeof(b));
     return b;
@@ -424,7 +442,7 @@ class ItemRunner {
   // scores_[row * key_stride_ + off + j] for keys [j0, j1) of a block, masked: per row, kLanes keys at a
   // time. Keys as fp32 (k), or with dot_ the block's bf16 keys (kb). The same keys of blocks ahead1 and
   // ahead2 (where not null) are prefetched along the way.
-  void score_narrow(const float* k, const C* kb, int32_t base, int j0, int j1, int off, const C* ahead1,
+  void score_narrow(const float* k, const DotT* kb, int32_t base, int j0, int j1, int off, const C* ahead1,
                     const C* ahead2) {
     const int D = d();
     int m = 0;
@@ -451,7 +469,7 @@ class ItemRunner {
           }
         }
         vfloat x = sum_lanes(part);
-        if (dot_) x *= s_.scale;
+        if (dot_) x *= dot_scale_;
         x = cap(x);
         const vint pos = splat_int(base + jc) + iota();
         x = (pos >= lo_[m]) & (pos <= hi_[m]) & (pos < base + j1) ? x : splat(kMasked);
@@ -462,7 +480,7 @@ class ItemRunner {
 
   // score_narrow for rows m and m + 1 with dot_: each key's half-vector chunks broadcast against both rows'
   // queries side by side, so one vector holds two rows' partial sums and the folds are shared.
-  void score_row_pair(const C* kb, int32_t base, int j0, int j1, int off, int m, const C* ahead1, const C* ahead2) {
+  void score_row_pair(const DotT* kb, int32_t base, int j0, int j1, int off, int m, const C* ahead1, const C* ahead2) {
     if constexpr (kDotT) {
       const int D = d();
       const uint16_t* qp = qpairs_.data() + (m / 2) * 2 * D;  // [D / 16][row m's 16 values, row m + 1's]
@@ -484,7 +502,7 @@ class ItemRunner {
         sum_lane_pairs(part, x, std::make_index_sequence<kLanes>{});
         const vint pos = splat_int(base + jc) + iota();
         for (int r = 0; r < 2; ++r) {
-          const vfloat y = (pos >= lo_[m + r]) & (pos <= hi_[m + r]) & (pos < base + j1) ? cap(x[r] * s_.scale)
+          const vfloat y = (pos >= lo_[m + r]) & (pos <= hi_[m + r]) & (pos < base + j1) ? cap(x[r] * dot_scale_)
                                                                                           : splat(kMasked);
           store(scores_.data() + (m + r) * key_stride_ + off + jc, y);
         }
@@ -517,7 +535,7 @@ class ItemRunner {
   }
 
   // partial_dot of unscaled bf16 q and bf16 k (D a multiple of 32).
-  vfloat partial_dot_bf16(const uint16_t* q, const C* k) const {
+  vfloat partial_dot_bf16(const uint16_t* q, const DotT* k) const {
     vfloat acc{};
     if constexpr (kDotT) {
       for (int i = 0; i < d(); i += 32) acc = dot_bf16(acc, q + i, k + i);
@@ -538,12 +556,10 @@ class ItemRunner {
   // A compile-time head size: P x V by accumulate_in_registers (else by accumulate, through fp32 scratch).
   static constexpr bool kInRegisters = kD > 0 && kD % kLanes == 0;
 
-  vfloat load_as_float(const C* p) const {
-    if constexpr (std::is_same_v<C, float>) {
+  static vfloat load_as_float(const DotT* p) {
+    if constexpr (std::is_same_v<DotT, float>) {
       return load(p);
-    } else if constexpr (kQuant) {
-      return load_codes(p, codes_);
-    } else if constexpr (std::is_same_v<C, c10::BFloat16>) {
+    } else if constexpr (std::is_same_v<DotT, c10::BFloat16>) {
       return load_bf16(p);
     } else {
       vfloat x;
@@ -560,6 +576,13 @@ class ItemRunner {
   void accumulate_in_registers(const C* v_head, const Request& rq, int64_t b0, int64_t b1, int64_t last,
                                int row_stride, int key_stride) {
     if constexpr (kInRegisters) {
+      if constexpr (kQuant) {  // the span's V codes as bf16 once, read by every group of rows
+        for (int64_t b = b0; b < b1; ++b) {
+          const C* from = v_head + (rq.blocks[b] * s_.block_size + key_begin(b)) * kD;
+          codes_to_bf16(from, vbf_.data() + ((b - b0) * s_.block_size + key_begin(b)) * kD,
+                        (key_end(b) - key_begin(b)) * kD, codes_);
+        }
+      }
       constexpr int kRows = std::clamp(16 / (kD / kLanes), 1, 4);
       const int rs = row_stride, ks = key_stride;
       int m0 = 0;
@@ -573,6 +596,15 @@ class ItemRunner {
       if constexpr (kRows > 1) {
         if (m0 < rows_) accumulate_rows<1>(v_head, rq, b0, b1, m0, last, rs, ks);
       }
+    }
+  }
+
+  // Block column b's V rows for accumulate_rows: the cache block, or a quantized block's bf16 copy in vbf_.
+  const DotT* v_rows(const C* v_head, const Request& rq, int64_t b, int64_t b0) const {
+    if constexpr (kQuant) {
+      return reinterpret_cast<const DotT*>(vbf_.data()) + (b - b0) * s_.block_size * kD;
+    } else {
+      return v_head + rq.blocks[b] * s_.block_size * kD;
     }
   }
 
@@ -590,17 +622,22 @@ class ItemRunner {
     for (int64_t b = b0; b < b1; ++b) {
       const C* ahead =
           m0 == 0 && b + span_blocks_ <= last ? v_head + rq.blocks[b + span_blocks_] * s_.block_size * kD : nullptr;
-      const C* v = v_head + rq.blocks[b] * s_.block_size * kD;
-      const vfloat vs = splat(v_scale(rq, b));
+      const DotT* v = v_rows(v_head, rq, b, b0);
+      const float vs = v_scale(rq, b);
       const float* p = scores_.data() + m0 * row_stride + (b - b0) * s_.block_size * key_stride;
       auto add_key = [&](vfloat(&rs)[kR][kC], int j) {
-        const C* vj = v + static_cast<int64_t>(j) * kD;
+        const DotT* vj = v + static_cast<int64_t>(j) * kD;
         if (ahead) prefetch(ahead + static_cast<int64_t>(j) * kD, kD);
+        float pm[kR];  // p(row, j), times the block's V scale when quantized
+        for (int m = 0; m < kR; ++m) {
+          pm[m] = p[m * row_stride + j * key_stride];
+          if constexpr (kQuant) pm[m] *= vs;
+        }
 #pragma GCC unroll 8
         for (int c = 0; c < kC; ++c) {
-          const vfloat vc = kQuant ? load_as_float(vj + c * kLanes) * vs : load_as_float(vj + c * kLanes);
+          const vfloat vc = load_as_float(vj + c * kLanes);
 #pragma GCC unroll 4
-          for (int m = 0; m < kR; ++m) rs[m][c] += splat(p[m * row_stride + j * key_stride]) * vc;
+          for (int m = 0; m < kR; ++m) rs[m][c] += splat(pm[m]) * vc;
         }
       };
       const int j1 = key_end(b);
@@ -668,6 +705,9 @@ class ItemRunner {
   int64_t lo_min_ = 0, hi_max_ = -1;                   // the keys some row sees
   float max_[kLanes], sum_[kLanes], alpha_[kLanes];
   const CodeReader codes_;
+  std::vector<uint16_t> kbf_;  // quantized with dot_: a block's keys as bf16
+  std::vector<uint16_t> vbf_;  // quantized, V in registers: a span's V as bf16
+  float dot_scale_ = 0.0f;     // with dot_: the score scale times the block's K scale
   const float* k_scales_ = nullptr;  // quantized: this item's kv head's scales, by block id
   const float* v_scales_ = nullptr;
 };
