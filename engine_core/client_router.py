@@ -17,6 +17,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from engine_core.safe_log import PeerWarnings, safe_for_log
+from engine_core.socket_monitor import monitor_socket
 from protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -86,7 +87,7 @@ class ClientRouter:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full pipe raises zmq.Again instead of dropping silently
         self.sock.setsockopt(zmq.SNDHWM, CLIENT_SNDHWM)
         # A disconnect event names the connection's file descriptor; messages carry theirs (SRCFD).
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitor = monitor_socket(ctx, self.sock, zmq.EVENT_DISCONNECTED)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
@@ -276,6 +277,6 @@ class ClientRouter:
         self.flush()
 
     def close(self) -> None:
-        self.sock.disable_monitor()
+        self.sock.disable_monitor()  # before its reader closes (engine_core/socket_monitor.py)
         self.monitor.close()
         self.sock.close()

@@ -24,6 +24,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
+from engine_core.socket_monitor import monitor_socket
 from launch.parallel_sampling import ParentRequest, fan_out
 from protocol import (
     EngineCoreAbort,
@@ -103,7 +104,7 @@ class AsyncEngineClient:
         half_ms = max(1, round(self.heartbeat_timeout * 500))
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, half_ms)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, half_ms)
-        self._monitor = _monitor_socket(self._ctx, self._sock, zmq.EVENT_DISCONNECTED)
+        self._monitor = monitor_socket(self._ctx, self._sock, zmq.EVENT_DISCONNECTED)
         self._sock.connect(self.address)
         self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch())]
 
@@ -120,9 +121,8 @@ class AsyncEngineClient:
             self._release()
 
     def _release(self) -> None:
-        """Fail what waits, then close the sockets and the context, the monitor stopped before its reader closes:
-        libzmq's I/O thread sends each event with a blocking send, so an event that finds no reader would block
-        that thread, and with it disable_monitor and term."""
+        """Fail what waits, then close the sockets and the context, the monitor stopped before its reader closes
+        (engine_core/socket_monitor.py: an event that found no reader would block disable_monitor and term)."""
         self._fail("the client is closed")
         assert self._ctx is not None
         if self._ctx.closed:
@@ -318,18 +318,6 @@ class AsyncEngineClient:
                 waiter.set_exception(EngineDeadError(message))
         self._stats_waiters.clear()
         self._reset_waiters.clear()
-
-
-def _monitor_socket(ctx: zmq.asyncio.Context, sock: zmq.asyncio.Socket, events: int) -> zmq.asyncio.Socket:
-    """A PAIR that receives sock's events through a pipe with no high-water mark, so that the I/O thread's
-    blocking send of an event never waits on this reader."""
-    endpoint = f"inproc://monitor-{uuid.uuid4().hex}"
-    sock.monitor(endpoint, events)
-    reader = ctx.socket(zmq.PAIR)
-    reader.setsockopt(zmq.RCVHWM, 0)
-    reader.setsockopt(zmq.LINGER, 0)
-    reader.connect(endpoint)
-    return reader
 
 
 def _answer_first(waiters: list[asyncio.Future], value: object) -> None:
