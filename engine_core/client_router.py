@@ -16,6 +16,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from engine_core.listener_gate import ListenerGate
 from engine_core.safe_log import PeerWarnings, safe_for_log
 from engine_core.socket_monitor import monitor_socket
 from protocol import (
@@ -40,6 +41,8 @@ MAX_READS = 256  # client messages read per call: steps keep running while a cli
 # Messages ZeroMQ queues for one client; past that a slow client's outputs merge in its Backlog.
 CLIENT_SNDHWM = 100
 MAX_BACKLOG_REPLIES = 1024  # replies (errors, stats) kept for a client that sends without reading
+# Connections the kernel queues for accept(): still accepted after the ListenerGate turns new clients away.
+ACCEPT_BACKLOG = 32
 
 
 class _RequestHead(msgspec.Struct, array_like=True):
@@ -86,8 +89,10 @@ class ClientRouter:
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_CLIENT_FRAME_BYTES)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full pipe raises zmq.Again instead of dropping silently
         self.sock.setsockopt(zmq.SNDHWM, CLIENT_SNDHWM)
-        # A disconnect event names the connection's file descriptor; messages carry theirs (SRCFD).
-        self.monitor = monitor_socket(ctx, self.sock, zmq.EVENT_DISCONNECTED)
+        self.sock.setsockopt(zmq.BACKLOG, ACCEPT_BACKLOG)
+        # An event names the connection's file descriptor; messages carry theirs (SRCFD).
+        self.monitor = monitor_socket(ctx, self.sock, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.gate = ListenerGate(address)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
@@ -114,18 +119,11 @@ class ClientRouter:
         self.poller.poll(timeout_ms)
 
     def read(self) -> None:
-        """Drain disconnect events, then read up to MAX_READS client messages, without blocking.
+        """Drain connection events, then read up to MAX_READS client messages, without blocking.
 
         Events first: a descriptor is reused only after its disconnect event is queued. The bound keeps
         steps running during a flood; ZeroMQ takes inbound messages from the clients in turn."""
-        while True:
-            try:
-                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            identity = self.fd_to_client.pop(event["value"], None)
-            if identity is not None:
-                self.inbox.append((identity, None))
+        self._read_events()
         for _ in range(MAX_READS):
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -142,6 +140,23 @@ class ClientRouter:
                 self.inbox.append((identity, self.client_codec.decode(frames[1].buffer)))
             except ProtocolError as e:
                 self._refuse(identity, frames[1].buffer, str(e))
+
+    def _read_events(self) -> None:
+        """A gone client's requests are aborted; new connections' descriptors go to the gate."""
+        accepted, disconnected = [], 0
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                accepted.append(event["value"])
+                continue
+            disconnected += 1
+            identity = self.fd_to_client.pop(event["value"], None)
+            if identity is not None:
+                self.inbox.append((identity, None))
+        self.gate.update(accepted, disconnected)
 
     def _refuse(self, identity: bytes, frame: memoryview, error: str) -> None:
         """Log a message that does not decode; if it opens like a request with a readable id, answer that id."""
@@ -280,3 +295,4 @@ class ClientRouter:
         self.sock.disable_monitor()  # before its reader closes (engine_core/socket_monitor.py)
         self.monitor.close()
         self.sock.close()
+        self.gate.close()

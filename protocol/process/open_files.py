@@ -1,10 +1,9 @@
 """The open-file limit of the engine-core and worker processes.
 
-Every client connection holds a file descriptor in the engine core. When none is left, libzmq's
-ipc:// listener asserts on EMFILE and aborts the process (its tcp:// listener survives), so the
-engine raises its soft RLIMIT_NOFILE to the hard limit at start-up. That only moves the edge: a
-server whose clients exhaust the hard limit too still aborts on ipc://, which the engine cannot
-prevent from outside libzmq; raise the hard limit (ulimit -Hn, LimitNOFILE=) for more clients.
+Every client connection holds a file descriptor in the engine core, so the engine raises its soft
+RLIMIT_NOFILE to the hard limit at start-up: that is how many clients it can hold. At the limit libzmq's
+ipc:// listener aborts the process (its tcp:// listener survives); the client socket keeps new clients
+out before it (engine_core/listener_gate.py). Raise the hard limit (ulimit -Hn, LimitNOFILE=) for more.
 """
 
 import logging
