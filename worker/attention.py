@@ -9,6 +9,8 @@ preallocated buffer (no mask for a decode). Decode tokens with short contexts ar
 and masked, in runs of up to DECODE_CHUNK_BYTES of gathered K/V: one SDPA call per request costs
 ~0.1 ms of overhead, which dominates when contexts are short. A request whose blocks are consecutive
 ids (common: a fresh pool hands them out in order) is read through a view of the cache, no copy.
+A quantized cache (worker/kv_quant.py, the reference for the kernels) is written with its scales and
+gathered dequantized into the same buffer, always through the gather.
 """
 
 from dataclasses import dataclass

@@ -135,6 +135,15 @@ def test_the_torch_path_dequantizes_what_it_gathers(quant, dtype, placement):
     torch.testing.assert_close(out.double(), qb.expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("head_size", [32, 128])
+@pytest.mark.parametrize("quant", QUANTS)
+def test_a_float16_model(quant, head_size):
+    qb = quant_batch(MIXED, 8, 2, head_size, 16, quant, 24, torch.float16, writer=cpu_writer)
+    out = run_kernel(qb)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.double(), qb.expected, atol=BF16_TOL, rtol=BF16_TOL)
+
+
 @pytest.mark.parametrize("window", [None, 130])
 @pytest.mark.parametrize("quant", QUANTS)
 def test_narrow_items_over_many_spans(quant, window):
