@@ -19,7 +19,11 @@ ANY_OBJECT = {"type": "object"}
 
 
 class GrammarError(ValueError):
-    """The structured output is not a grammar llguidance can build (the message says why, naming the field)."""
+    """The structured output is not a grammar llguidance can build: its kind (the field) and why."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"structured_outputs.{kind}: {detail}")
+        self.kind, self.detail = kind, detail
 
 
 def cache_key(params: StructuredOutputsParams) -> tuple[str, str]:
@@ -46,14 +50,14 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
             return llguidance.grammar_from("choice", params.choice)  # type: ignore[arg-type]
         return llguidance.grammar_from("grammar", params.grammar or "")
     except ValueError as e:  # not JSON, not a JSON object, a GBNF grammar that does not convert
-        raise GrammarError(f"structured_outputs.{kind}: {summary(str(e))}") from None
+        raise GrammarError(kind, summary(str(e))) from None
 
 
 def check(params: StructuredOutputsParams) -> None:
     """Raise GrammarError unless params compile (without the vocabulary: what a front end can check)."""
     error = llguidance.LLMatcher.validate_grammar(grammar_spec(params))
     if error:
-        raise GrammarError(f"structured_outputs.{params.kind}: {summary(error)}")
+        raise GrammarError(params.kind, summary(error))
 
 
 def summary(message: str) -> str:
@@ -83,5 +87,5 @@ class GrammarCompiler:
         """A matcher at the start of the grammar; GrammarError if the grammar is not valid."""
         matcher = llguidance.LLMatcher(self.tokenizer(), grammar_spec(params), log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"structured_outputs.{params.kind}: {summary(matcher.get_error())}")
+            raise GrammarError(params.kind, summary(matcher.get_error()))
         return matcher

@@ -36,6 +36,13 @@ class _Sampling(_Request, kw_only=True):
     top_logprobs: int | None = None
     return_token_ids: bool = False  # an extension: each choice (or chunk) also carries its token ids
     cache_salt: str | None = None  # vLLM's: prompts with different salts never share cached prefixes
+    # a structured output (launch/api_server/structured.py): OpenAI's, vLLM's, and vLLM's older guided_* fields
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # not honoured yet: accepted only at their neutral value
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

@@ -13,7 +13,8 @@ from launch.api_server.generation import Choice, Generation, Piece
 from launch.api_server.prompts import max_tokens_for
 from launch.api_server.schemas import MAX_CACHE_SALT_CHARS, ChatCompletionRequest, CompletionRequest, unsupported
 from launch.api_server.state import Served
-from protocol import SamplingParams
+from launch.api_server.structured import request_structured_outputs
+from protocol import SamplingParams, StructuredOutputsParams
 
 Request = CompletionRequest | ChatCompletionRequest
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # the detokenizer searches each one after every token
@@ -33,12 +34,14 @@ def check_request(req: Request) -> None:
                        "cache_salt")
 
 
-def sampling_params(req: Request, prompt: list[int], max_tokens: int | None, max_model_len: int) -> SamplingParams:
+def sampling_params(req: Request, prompt: list[int], max_tokens: int | None, max_model_len: int,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=max_tokens_for(prompt, max_tokens, max_model_len), temperature=req.temperature,
             top_k=0 if req.top_k == -1 else req.top_k, top_p=req.top_p, seed=req.seed,
             stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=requested_logprobs(req),
+            structured_outputs=structured,
         )
     except ValueError as e:
         raise bad_param(e) from None
@@ -69,7 +72,8 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
 def start(served: Served, user: User, req: Request, prompts: list[list[int]], max_tokens: int | None,
           prefix: str) -> tuple[str, Generation]:
     """Check every prompt's parameters, then start its engine request: (response id, the generation)."""
-    params = [sampling_params(req, p, max_tokens, served.max_model_len) for p in prompts]
+    structured = request_structured_outputs(req)
+    params = [sampling_params(req, p, max_tokens, served.max_model_len, structured) for p in prompts]
     stop = stop_strings(req.stop)
     choices = [Choice(p, sp, IncrementalDetokenizer(served.text.decode, p, stop))
                for p, sp in zip(prompts, params, strict=True)]
