@@ -14,7 +14,7 @@ def sampling_error(params: SamplingParams, vocab_size: int | None) -> str | None
     """Why the engine core cannot run these parameters, naming the field; None if it can."""
     if params.num_sequences > 1:
         return (f"n={params.n}, best_of={params.best_of}: the engine core runs one sequence per request; "
-                "the client fans n > 1 out (launch/parallel_sampling.py)")
+                "the client fans n > 1 out (launch/client/parallel_sampling.py)")
     return None if vocab_size is None else _out_of_vocabulary(params, vocab_size)
 
 

@@ -73,7 +73,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     # None: none; k: each prompt token's log-probability (from the second on) and the k most likely there
     prompt_logprobs: int | None = None
     # n sequences per prompt; best_of (>= n) are sampled and the n with the highest cumulative log-probability
-    # returned. The client fans them out (launch/parallel_sampling.py); an engine core request has n = 1.
+    # returned. The client fans them out (launch/client/parallel_sampling.py); an engine core request has n = 1.
     n: int = 1
     best_of: int | None = None
     # the output must match a JSON schema, a regex, a choice or a grammar (engine_core/structured_output/)

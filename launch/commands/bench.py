@@ -27,7 +27,7 @@ from launch.commands.local_server import (
     run_until_signal,
 )
 from launch.commands.percentiles import percentile
-from launch.http_stream import HttpError, get_json, post_sse
+from launch.commands.http_stream import HttpError, get_json, post_sse
 from protocol import SamplingParams, SchedulerStats
 from protocol.config import EngineConfig, ServerConfig
 from protocol.model.check import check_model

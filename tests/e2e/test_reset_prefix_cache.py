@@ -7,7 +7,7 @@ import sys
 import zmq
 
 from launch.client import AsyncEngineClient
-from launch.kv_event_subscriber import KVEventSubscriber
+from launch.client.kv_event_subscriber import KVEventSubscriber
 from protocol import AllBlocksCleared, SamplingParams
 from tests.e2e.serve_support import prompts
 

@@ -11,7 +11,7 @@ from engine_core.core import EngineCore
 from engine_core.executor.reference_executor import ReferenceExecutor
 from engine_core.kv_cache.block import get_block_hash, get_group_id
 from engine_core.kv_event_publisher import KVEventPublisher
-from launch.kv_event_subscriber import KVEventSubscriber
+from launch.client.kv_event_subscriber import KVEventSubscriber
 from protocol import AllBlocksCleared, BlockRemoved, BlockStored, EngineCoreRequest, FullAttentionSpec, SamplingParams
 from protocol.config import engine_config
 from protocol.kv_cache_spec import SlidingWindowSpec

@@ -1,7 +1,7 @@
 """ParentRequest: each child's parameters, and how its outputs come back under the parent."""
 
 from launch.client import RequestOutput
-from launch.parallel_sampling import ParentRequest
+from launch.client.parallel_sampling import ParentRequest
 from protocol import SamplingParams, TokenLogprobs
 from protocol.sampling import INT64_MAX, INT64_MIN
 

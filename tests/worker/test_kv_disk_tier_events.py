@@ -6,7 +6,7 @@ import zmq
 
 from engine_core.core import EngineCore
 from engine_core.kv_event_publisher import KVEventPublisher
-from launch.kv_event_subscriber import KVEventSubscriber
+from launch.client.kv_event_subscriber import KVEventSubscriber
 from protocol import BlockRemoved, BlockStored, EngineCoreRequest
 from protocol.kv_events import MEDIUM_DISK, MEDIUM_GPU, external_block_hash
 from protocol.kv_store.index import BlockIndex

@@ -25,7 +25,7 @@ import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from engine_core.socket_monitor import monitor_socket
-from launch.parallel_sampling import ParentRequest, fan_out
+from launch.client.parallel_sampling import ParentRequest, fan_out
 from protocol import (
     EngineCoreAbort,
     EngineCoreGetStats,
