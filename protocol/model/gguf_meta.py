@@ -3,10 +3,12 @@
 gguf_config turns llama.cpp's metadata into the config.json dict transformers would write for the same model, for
 the architectures kvengine serves natively: llama (also Mistral's files), qwen2, qwen3, qwen3moe, gemma2, gemma3.
 What llama.cpp fixes in code rather than in the file is filled in as llama.cpp does (Gemma 3's local rope base and
-1-in-6 global layers, Gemma's query scale of the 27B sizes).
+1-in-6 global layers, Gemma's query scale of the 27B sizes); Llama 3.1's rope scaling comes from its rope_freqs.
 """
 
 from pathlib import Path
+
+from protocol.model.gguf_rope import llama3_scaling, rope_freqs_divisors
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -43,6 +45,7 @@ def gguf_config(reader) -> dict:
         return field(reader, f"{arch}.{key}", default)
 
     heads, hidden = meta("attention.head_count"), meta("embedding_length")
+    head_dim = meta("attention.key_length") or hidden // heads
     eos = field(reader, "tokenizer.ggml.eos_token_id")
     cfg = {
         "architectures": [ARCHITECTURES[arch]],
@@ -53,11 +56,11 @@ def gguf_config(reader) -> dict:
         "num_hidden_layers": meta("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": meta("attention.head_count_kv", heads),
-        "head_dim": meta("attention.key_length") or hidden // heads,
+        "head_dim": head_dim,
         "rms_norm_eps": meta("attention.layer_norm_rms_epsilon", 1e-5),
         "max_position_embeddings": meta("context_length", 2048),
         "rope_theta": meta("rope.freq_base", 1_000_000.0 if arch == "gemma3" else 10000.0),
-        "rope_scaling": _rope_scaling(meta),
+        "rope_scaling": _rope_scaling(reader, meta, head_dim),
         "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
         "eos_token_id": eos,
     }
@@ -69,8 +72,14 @@ def gguf_config(reader) -> dict:
     return cfg
 
 
-def _rope_scaling(meta) -> dict | None:
-    kind = meta("rope.scaling.type")
+def _rope_scaling(reader, meta, head_dim: int) -> dict | None:
+    """From the rope.scaling keys, or for Llama 3.1 from the rope_freqs tensor (llama.cpp writes no key for it)."""
+    kind, divisors = meta("rope.scaling.type"), rope_freqs_divisors(reader)
+    if divisors is not None:
+        if kind not in (None, "none"):
+            raise ValueError(f"a GGUF file with both rope_freqs and {kind} rope scaling is not supported")
+        theta = meta("rope.freq_base", 10000.0)
+        return llama3_scaling(divisors, theta, meta("rope.dimension_count") or head_dim)
     if kind in (None, "none"):
         return None
     scaling = {"rope_type": kind, "factor": meta("rope.scaling.factor")}

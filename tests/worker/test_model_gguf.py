@@ -1,6 +1,7 @@
 """GGUF files beyond Llama's: Qwen2, Qwen3, Qwen3-MoE, Gemma 2 and 3, written here from transformers-built models
 as llama.cpp's conversion writes them (its metadata keys and tensor names, Llama's Q/K rows interleaved, Gemma's
-norms stored as 1 + weight, experts stacked), load and give transformers' greedy tokens of the original model."""
+norms stored as 1 + weight, experts stacked, Llama 3.1's rope scaling as rope_freqs), load and give transformers'
+greedy tokens of the original model."""
 
 import json
 
@@ -10,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from protocol.model.gguf_meta import ARCHITECTURES
+from tests.protocol.gguf_rope_freqs import llama3_rope_freqs
 from tests.worker.family_support import build_family
 from tests.worker.harness import Driver, hf_greedy
 from tests.worker.parity_support import MAX_NEW, RAGGED, make_worker
@@ -83,6 +85,9 @@ def write_gguf(folder, path) -> None:
     w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(cfg["vocab_size"])])
     for name, data in gguf_tensors(load_file(str(folder / "model.safetensors")), cfg, arch).items():
         w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type") == "llama3":  # no rope scaling keys: llama.cpp keeps it as this tensor only
+        w.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope, rope["rope_theta"], ints["attention.key_length"]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -94,8 +99,11 @@ GEMMA3 = {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["f
           "query_pre_attn_scalar": 48, "rope_parameters": {
               "full_attention": {"rope_type": "default", "rope_theta": 1e6},
               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
+LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 128}  # two frequencies on the ramp
 CASES = {
     "llama": lambda folder: write_model(folder, eos_token_id=None),
+    "llama3.1": lambda folder: write_model(folder, eos_token_id=None, rope_theta=None, rope_parameters=LLAMA31_ROPE),
     "qwen2": lambda folder: write_model(folder, "Qwen2ForCausalLM", eos_token_id=None),
     "qwen3": lambda folder: build_family("qwen3", folder, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     "qwen3_moe": lambda folder: build_family("qwen3_moe", folder, mlp_only_layers=[]),

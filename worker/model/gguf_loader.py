@@ -1,6 +1,7 @@
 """GGUF checkpoints (optional extra `gguf`): config from metadata, weights dequantised at load and renamed to the
 Hugging Face names, undoing what llama.cpp's conversion changed (Llama's interleaved Q/K rows, Gemma's norm
-weights stored with their 1 added, MoE experts stacked in one tensor)."""
+weights stored with their 1 added, MoE experts stacked in one tensor); Llama 3.1's rope_freqs is read as the rope
+scaling of the config, not as a weight."""
 
 from pathlib import Path
 
@@ -43,9 +44,11 @@ def hf_tensors(name: str, data: np.ndarray, cfg: dict, arch: str) -> dict[str, n
     """One GGUF tensor as the HF tensors it holds (several for stacked experts)."""
     parts = name.split(".")
     gemma = arch.startswith("gemma")
+    if parts[0] == "rope_freqs":
+        return {}  # Llama 3.1's rope scaling, which gguf_config has read from it
     if parts[0] != "blk":
         if parts[0] not in _TOP:
-            raise ValueError(f"GGUF tensor {name!r} has no counterpart here (Llama 3.1's rope_freqs is not supported)")
+            raise ValueError(f"GGUF tensor {name!r} has no counterpart here")
         return {f"{_TOP[parts[0]]}.{parts[-1]}": data - 1 if gemma and parts[0] == "output_norm" else data}
     layer, kind, suffix = parts[1], parts[2], parts[-1]
     prefix = f"model.layers.{layer}"
