@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from launch.client import AsyncEngineClient, EngineDeadError, install_uvloop
 from launch.commands.config_args import add_config_args, config_from_args
+from launch.commands.http_stream import HttpError, get_json, post_sse
 from launch.commands.local_server import (
     LOCAL_SERVER_AREAS,
     Interrupted,
@@ -27,7 +28,6 @@ from launch.commands.local_server import (
     run_until_signal,
 )
 from launch.commands.percentiles import percentile
-from launch.commands.http_stream import HttpError, get_json, post_sse
 from protocol import SamplingParams, SchedulerStats
 from protocol.config import EngineConfig, ServerConfig
 from protocol.model.check import check_model

@@ -6,9 +6,9 @@ import sys
 import msgspec
 import zmq
 
+from launch.client.kv_event_subscriber import KVEventSubscriber, SeqBatch
 from launch.commands.local_server import Interrupted
 from launch.commands.stop_signals import raise_on_stop_signals
-from launch.client.kv_event_subscriber import KVEventSubscriber, SeqBatch
 from protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from protocol.kv_events import ExternalBlockHash
 

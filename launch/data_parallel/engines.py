@@ -11,9 +11,9 @@ from typing import IO
 
 import zmq
 
+from launch.client.kv_event_subscriber import KVEventSubscriber
 from launch.commands.config_args import config_to_flags
 from launch.commands.local_server import die_with_parent
-from launch.client.kv_event_subscriber import KVEventSubscriber
 from protocol.config import EngineConfig
 from protocol.process.worker_config import auto_binding, format_cores
 
