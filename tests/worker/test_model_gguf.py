@@ -59,7 +59,8 @@ def gguf_tensors(tensors: dict[str, torch.Tensor], cfg: dict, arch: str) -> dict
     return out
 
 
-def write_gguf(folder, path) -> None:
+def write_gguf(folder, path, add_vocab=None) -> None:
+    """add_vocab(writer): the tokenizer's keys (default: a placeholder vocabulary the worker does not read)."""
     cfg = json.loads((folder / "config.json").read_text())
     arch = GGUF_ARCH[cfg["architectures"][0]]
     w = gguf.GGUFWriter(str(path), arch)
@@ -81,8 +82,11 @@ def write_gguf(folder, path) -> None:
     for key, value in floats.items():
         if value is not None:
             w.add_float32(f"{arch}.{key}", value)
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(cfg["vocab_size"])])
+    if add_vocab is not None:
+        add_vocab(w)
+    else:
+        w.add_string("tokenizer.ggml.model", "gpt2")
+        w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(cfg["vocab_size"])])
     for name, data in gguf_tensors(load_file(str(folder / "model.safetensors")), cfg, arch).items():
         w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
     rope = cfg.get("rope_parameters") or {}
