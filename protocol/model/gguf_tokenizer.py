@@ -37,11 +37,9 @@ class ByteLevelSplit:
     add_bos: bool = False  # llama.cpp's default where the file has no tokenizer.ggml.add_bos_token
 
 
-_QWEN2 = ByteLevelSplit(_QWEN2_SPLIT, nfc=True)
 _LLAMA3 = ByteLevelSplit(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True)
-PRE_TOKENIZERS = {
-    "qwen2": _QWEN2,
-    "deepseek-r1-qwen": _QWEN2,
+PRE_TOKENIZERS = {  # llama.cpp's names of the splits whose tokenizer.json is known here; others are refused
+    "qwen2": ByteLevelSplit(_QWEN2_SPLIT, nfc=True),
     "llama-bpe": _LLAMA3,
     "llama3": _LLAMA3,
     "llama-v3": _LLAMA3,

@@ -18,6 +18,7 @@ from tests.protocol.trained_tokenizers import (
     SPECIAL,
     TEXTS,
     UNSEEN_TEXT,
+    gpt2_tokenizer,
     llama3_tokenizer,
     qwen2_tokenizer,
     sentencepiece_model,
@@ -47,6 +48,13 @@ def test_qwen2_file_tokenizes_as_qwen2_tokenizer(tmp_path):
     assert ours.decode(ours.encode(PLAIN[4]).ids) == PLAIN[4]
     assert "12" not in ours.encode("1234567").tokens
     assert ours.token_to_id("[PAD3]") is None and ours.token_to_id(f"[PAD{len(hf)}]") == len(hf)
+
+
+def test_gpt2_file_tokenizes_as_gpt2_tokenizer(tmp_path):
+    hf = gpt2_tokenizer()
+    path = tmp_path / "gpt2.gguf"
+    write_byte_level(path, hf, "gpt2", "gpt-2", eos="<|endoftext|>")
+    assert_same_as(hf, load_tokenizer(path).tokenizer)
 
 
 def test_llama3_file_tokenizes_as_llama3_tokenizer_with_bos_and_whole_words(tmp_path):

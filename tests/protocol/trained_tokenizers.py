@@ -32,12 +32,12 @@ QWEN2_CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def trained_bpe(split: str, nfc: bool, specials: list[str]) -> dict:
-    """The model part (vocab, merges) of a byte-level BPE trained on CORPUS with the given split."""
+def trained_bpe(split: str | None, nfc: bool, specials: list[str]) -> dict:
+    """The model part (vocab, merges) of a byte-level BPE trained on CORPUS with the given split (None: GPT-2's)."""
     tok = Tokenizer(models.BPE())
     if nfc:
         tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = byte_level_split(split)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None else byte_level_split(split)
     trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer)
@@ -67,6 +67,14 @@ def qwen2_tokenizer():
                    AddedToken("</tool_call>", special=False, normalized=False)])
     hf.chat_template = QWEN2_CHAT
     return hf
+
+
+def gpt2_tokenizer():
+    """transformers' GPT2Tokenizer (the ByteLevel pre-tokenizer's own split) over a vocabulary trained that way."""
+    from transformers.models.gpt2.tokenization_gpt2 import GPT2Tokenizer
+
+    model = trained_bpe(None, False, ["<|endoftext|>"])
+    return GPT2Tokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]])
 
 
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
