@@ -162,6 +162,12 @@ class ServerConfig(_Area, frozen=True):
         "(0: no HTTP API, only the ZeroMQ socket)")] = 1
     served_model_name: Annotated[str | None, setting(
         "the model name HTTP clients send; default: --model as given, or 'tiny' for the built-in model")] = None
+    enable_auto_tool_choice: Annotated[bool, setting(
+        "HTTP API: tool_choice auto (the default with tools): the model may call the request's tools, and its calls "
+        "are found in its text by --tool-call-parser")] = False
+    tool_call_parser: Annotated[Literal["hermes", "llama3_json", "mistral"] | None, setting(
+        "HTTP API: the format of the model's tool calls: hermes (<tool_call> JSON: Qwen2.5, Qwen3, Hermes), "
+        "llama3_json (Llama 3.1 and 3.2 JSON), mistral ([TOOL_CALLS])")] = None
     stats_interval: Annotated[float, Meta(gt=0), setting("seconds between stats log lines while busy")] = 5.0
     metrics_port: Annotated[Port | None, setting(
         "serve Prometheus metrics on http://127.0.0.1:PORT/metrics (default: off)")] = None
@@ -211,6 +217,8 @@ class ServerConfig(_Area, frozen=True):
                 raise ValueError("an API key is printable ASCII without spaces (several are separated by commas)")
         if self.cache_salt_per_api_key and not keys:
             raise ValueError(f"cache_salt_per_api_key salts by API key: give --api-key or {API_KEY_ENV}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice finds the model's calls with a parser: give --tool-call-parser")
 
     def client_address(self) -> str | None:
         """--address, else None (the server picks an ipc:// path)."""

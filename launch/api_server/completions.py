@@ -23,6 +23,8 @@ from launch.api_server.schemas import ChatCompletionRequest, CompletionRequest
 from launch.api_server.serving import check_request, collect, now, sse_stream, start, usage
 from launch.api_server.state import Served
 from launch.api_server.text_model import TextModel
+from launch.api_server.tools.chat import chat_tools
+from launch.api_server.tools.messages import template_messages
 
 T = TypeVar("T")
 
@@ -140,8 +142,10 @@ async def chat_completions(request: Request) -> Response:
     req = await read(request, ChatCompletionRequest)
     served.check_model(req.model)
     check_request(req)
+    tools = chat_tools(served, req)
     admit(request, 1)
-    prompt = await chat_prompt(served, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+    prompt = await chat_prompt(served, template_messages(req.messages), req.add_generation_prompt,
+                               tools.template_kwargs(req.chat_template_kwargs))
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     response_id, generation = start(served, user_of(request), req, [prompt], max_tokens, "chatcmpl")
     cleanup(request, generation.close)
@@ -159,11 +163,11 @@ async def chat_completions(request: Request) -> Response:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return event_stream(sse_stream(
             generation, [prompt], include_usage,
-            lambda p: chunk({"content": p.text} if p.text else {}, p.finish_reason, p),
+            lambda p: chunk(*tools.delta(p.text, p.finish_reason), p),
             lambda u: {**base, "choices": [], "usage": u}, [chunk({"role": "assistant", "content": ""})]))
     wholes, finals = await until_disconnected(request, collect(generation, 1))
-    message = {"role": "assistant", "content": wholes[0].text}
-    choice = {"index": 0, "message": message, "logprobs": logprobs(wholes[0]), "finish_reason": finals[0].finish_reason}
+    message, finish_reason = tools.message(wholes[0].text, finals[0].finish_reason or "stop")
+    choice = {"index": 0, "message": message, "logprobs": logprobs(wholes[0]), "finish_reason": finish_reason}
     if req.return_token_ids:
         choice["token_ids"] = wholes[0].token_ids
     return json_response({**base, "object": "chat.completion", "choices": [choice], "usage": usage([prompt], finals)})

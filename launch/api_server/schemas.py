@@ -69,6 +69,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
+    # tool calling (launch/api_server/tools/): the tools reach the chat template; auto, required or a named call
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # false: one call at most
 
 
 class TokenizeRequest(_Request, kw_only=True):

@@ -1,6 +1,7 @@
 """A request's structured output from the HTTP fields that ask for one: OpenAI's `response_format` (`json_object`,
 `json_schema`), vLLM's `structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`) and vLLM's older
-`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`.
+`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`; and a chat's forced tool call (tool_choice
+`required` or a named function: launch/api_server/tools/choice.py).
 
 At most one of them may be set. The grammar is checked here, without the vocabulary (llguidance compiles it the
 way the engine core will), so an invalid schema, regex or grammar is a 400 naming the field; the engine core
@@ -14,7 +15,9 @@ import msgspec
 
 from engine_core.structured_output import GrammarError, check
 from launch.api_server.errors import ApiError
+from launch.api_server.tools.choice import tool_choice
 from protocol import StructuredOutputsParams
+from protocol.config import ServerConfig
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -37,6 +40,13 @@ def request_structured_outputs(req: object) -> StructuredOutputsParams | None:
         value = getattr(req, name, None)
         if value is not None:
             found.append((name, make(name, **{kind: schema_text(name, value) if kind == "json" else value})))
+    choice = getattr(req, "tool_choice", None)
+    if choice == "required" or isinstance(choice, dict):  # a forced call (tools/choice.py)
+        tools = tool_choice(getattr(req, "tools", None), choice, getattr(req, "parallel_tool_calls", None),
+                            ServerConfig())
+        forced = None if tools is None else tools.forced_output()
+        if forced is not None:
+            found.append(("tool_choice", forced))
     if len(found) > 1:
         raise ApiError(400, f"{found[1][0]} asks for a structured output and so does {found[0][0]}: give one",
                        found[1][0])
@@ -46,6 +56,9 @@ def request_structured_outputs(req: object) -> StructuredOutputsParams | None:
     try:
         check(params)
     except GrammarError as e:
+        if name == "tool_choice":  # the schema is a tool's parameters
+            raise ApiError(400, f"tools: a forced call's parameters are not a valid JSON schema: {e.detail}",
+                           "tools") from None
         raise ApiError(400, f"{name}: not a valid {WHAT[e.kind]}: {e.detail}", name) from None
     return params
 
