@@ -22,6 +22,7 @@ from launch.api_server.errors import ApiError
 from launch.api_server.guard import Guard
 from launch.api_server.metrics_proxy import CONTENT_TYPE, fetch_metrics
 from launch.api_server.prompts import check_token_ids
+from launch.api_server.responses import responses
 from launch.api_server.schemas import DetokenizeRequest, TokenizeRequest
 from launch.api_server.serving import now
 from launch.api_server.state import Served
@@ -37,6 +38,7 @@ def create_app(served: Served, lifespan=None) -> FastAPI:
     app.add_exception_handler(Exception, internal_error)  # the traceback goes to the log, never to the client
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/responses", responses, methods=["POST"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])

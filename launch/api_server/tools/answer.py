@@ -23,6 +23,10 @@ class ToolAnswer:
         self.text, self.sent = "", 0
         self.held = choice.mode in ("required", "named")  # forced output: all of it is the calls
 
+    def fresh(self) -> "ToolAnswer":
+        """Another answer to the same request (each of n choices streams on its own)."""
+        return ToolAnswer(self.choice, self.end_texts)
+
     @property
     def keeps_special_tokens(self) -> bool:
         return self.parser is not None and self.parser.keeps_special_tokens
