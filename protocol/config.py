@@ -162,6 +162,8 @@ class ServerConfig(_Area, frozen=True):
         "(0: no HTTP API, only the ZeroMQ socket)")] = 1
     served_model_name: Annotated[str | None, setting(
         "the model name HTTP clients send; default: --model as given, or 'tiny' for the built-in model")] = None
+    chat_template: Annotated[str | None, setting(
+        "the chat template of /v1/chat/completions: its Jinja text, or a file holding it; default: the model's")] = None
     enable_auto_tool_choice: Annotated[bool, setting(
         "HTTP API: tool_choice auto (the default with tools): the model may call the request's tools, and its calls "
         "are found in its text by --tool-call-parser")] = False

@@ -8,10 +8,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
+from launch.api_server.chat_prompt import ChatPrompt, chat_prompt
 from launch.api_server.completions import (
     admit,
     chat_completions,
-    chat_prompt,
     completions,
     encode_texts,
     json_response,
@@ -40,9 +40,11 @@ def create_app(served: Served, lifespan=None) -> FastAPI:
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/responses", responses, methods=["POST"])
     app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", model, methods=["GET"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
     app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # vLLM's (SageMaker's) name for /health
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/version", version, methods=["GET"])
     app.add_api_route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"])
@@ -58,11 +60,20 @@ async def internal_error(request: Request, e: Exception) -> Response:
     return ApiError(500, "internal server error").response()
 
 
-async def models(request: Request) -> Response:
-    served = served_of(request)
-    card = {"id": served.model_name, "object": "model", "created": now(), "owned_by": "kvengine",
+def model_card(served: Served) -> dict:
+    return {"id": served.model_name, "object": "model", "created": now(), "owned_by": "kvengine",
             "max_model_len": served.max_model_len}
-    return json_response({"object": "list", "data": [card]})
+
+
+async def models(request: Request) -> Response:
+    return json_response({"object": "list", "data": [model_card(served_of(request))]})
+
+
+async def model(request: Request, model_id: str) -> Response:
+    """One model's card (OpenAI's retrieve); 404 for a model this server does not serve."""
+    served = served_of(request)
+    served.check_model(model_id)
+    return json_response(model_card(served))
 
 
 async def tokenize(request: Request) -> Response:
@@ -73,7 +84,7 @@ async def tokenize(request: Request) -> Response:
         raise ApiError(400, "give a prompt or messages", "prompt")
     admit(request, 1)
     if req.messages is not None:
-        tokens = await chat_prompt(served, req.messages, req.add_generation_prompt, None)
+        tokens = await chat_prompt(served, req.messages, None, ChatPrompt(req.add_generation_prompt))
     else:
         [tokens] = await encode_texts(served, [req.prompt or ""], req.add_special_tokens)
     return json_response({"count": len(tokens), "max_model_len": served.max_model_len, "tokens": tokens})

@@ -14,13 +14,13 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from launch.api_server.body import decode, read_body
+from launch.api_server.chat_prompt import ChatPrompt, chat_prompt
+from launch.api_server.choices import ChatChoices, CompletionChoices
 from launch.api_server.errors import ApiError
-from launch.api_server.generation import Piece
 from launch.api_server.guard import cleanup, user_of
-from launch.api_server.logprobs import chat_logprobs, completion_logprobs
-from launch.api_server.prompts import chat_messages, check_length, completion_prompts, template_variables
+from launch.api_server.prompts import check_length, completion_prompts
 from launch.api_server.schemas import ChatCompletionRequest, CompletionRequest
-from launch.api_server.serving import check_request, collect, now, sse_stream, start, usage
+from launch.api_server.serving import check_request, collect, now, sse_stream, start, truncated, usage
 from launch.api_server.state import Served
 from launch.api_server.text_model import TextModel
 from launch.api_server.tools.chat import chat_tools
@@ -88,86 +88,66 @@ async def encode_texts(served: Served, texts: list[str], add_special_tokens: boo
     return await served.run_text(_encode_texts, served.text, texts, add_special_tokens)
 
 
-def _chat_prompt(served: Served, messages: list[dict], add_generation_prompt: bool, variables: dict) -> list[int]:
-    try:
-        text = served.text.render_chat(messages, add_generation_prompt, **variables)
-    except ValueError as e:
-        raise ApiError(400, str(e), "messages") from None
-    check_length(text, served.max_prompt_chars, served.max_model_len, "messages")
-    return served.text.encode(text, add_special_tokens=False)
-
-
-async def chat_prompt(served: Served, messages: list[dict], add_generation_prompt: bool,
-                      kwargs: dict | None) -> list[int]:
-    """The conversation rendered by the model's chat template, as token ids (the template adds special tokens)."""
-    checked, variables = chat_messages(messages), template_variables(kwargs)
-    return await served.run_text(_chat_prompt, served, checked, add_generation_prompt, variables)
-
-
 async def completions(request: Request) -> Response:
     served = served_of(request)
     req = await read(request, CompletionRequest)
     served.check_model(req.model)
-    check_request(req)
+    check_request(req, served)
     given = completion_prompts(req.prompt, served.config.max_request_prompts)
-    admit(request, len(given))
-    prompts = await encode_texts(served, given) if isinstance(given[0], str) else given  # type: ignore[arg-type]
+    n = req.best_of or req.n or 1
+    admit(request, len(given) * n)
+    encoded = await encode_texts(served, given, req.add_special_tokens is not False) if isinstance(given[0], str) \
+        else given  # type: ignore[assignment]
+    prompts = [truncated(req, p, served.max_model_len) for p in encoded]
     response_id, generation = start(served, user_of(request), req, prompts, req.max_tokens, "cmpl")
     cleanup(request, generation.close)
     await until_disconnected(request, generation.wait_accepted())
     base = {"id": response_id, "object": "text_completion", "created": now(), "model": served.model_name}
-    text_offsets = [0] * len(prompts)  # per choice: characters sent so far, for logprobs' text_offset
-
-    def choice(piece: Piece, finish_reason: str | None) -> dict:
-        logprobs = None
-        if req.logprobs is not None:
-            logprobs = completion_logprobs(served.text.decode, piece.token_ids, piece.logprobs,
-                                           text_offsets[piece.index])
-        text_offsets[piece.index] += len(piece.text)
-        out = {"index": piece.index, "text": piece.text, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {**out, "token_ids": piece.token_ids} if req.return_token_ids else out
-
+    n = req.n or 1
+    echoed = [g if isinstance(g, str) and p == e else served.text.decode(p)  # the text as given, unless truncated
+              for g, e, p in zip(given, encoded, prompts, strict=True)] if req.echo else []
+    choices = CompletionChoices(served.text, req, prompts, n, echoed)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return event_stream(sse_stream(
-            generation, prompts, include_usage, lambda p: {**base, "choices": [choice(p, p.finish_reason)]},
+            generation, prompts, n, req.stream_options,
+            lambda p: {**base, "choices": [choices.choice(p, p.finish_reason)]},
             lambda u: {**base, "choices": [], "usage": u}, []))
-    wholes, finals = await until_disconnected(request, collect(generation, len(prompts)))
-    choices = [choice(w, f.finish_reason) for w, f in zip(wholes, finals, strict=True)]
-    return json_response({**base, "choices": choices, "usage": usage(prompts, finals)})
+    wholes, finals = await until_disconnected(request, collect(generation, len(prompts) * n))
+    answer = [choices.choice(w, f.finish_reason) for w, f in zip(wholes, finals, strict=True)]
+    return json_response({**base, "choices": answer, "usage": usage(prompts, finals, n)})
 
 
 async def chat_completions(request: Request) -> Response:
     served = served_of(request)
     req = await read(request, ChatCompletionRequest)
     served.check_model(req.model)
-    check_request(req)
+    check_request(req, served)
     tools = chat_tools(served, req)
-    admit(request, 1)
-    prompt = await chat_prompt(served, template_messages(req.messages), req.add_generation_prompt,
-                               tools.template_kwargs(req.chat_template_kwargs))
+    admit(request, req.best_of or req.n or 1)
+    options = ChatPrompt(add_generation_prompt=not req.continue_final_message if req.add_generation_prompt is None
+                         else req.add_generation_prompt, continue_final_message=bool(req.continue_final_message),
+                         template=req.chat_template, documents=req.documents,
+                         add_special_tokens=bool(req.add_special_tokens))
+    prompt = truncated(req, await chat_prompt(served, template_messages(req.messages),
+                                              tools.template_kwargs(req.chat_template_kwargs), options),
+                       served.max_model_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     response_id, generation = start(served, user_of(request), req, [prompt], max_tokens, "chatcmpl")
     cleanup(request, generation.close)
     await until_disconnected(request, generation.wait_accepted())
     base = {"id": response_id, "object": "chat.completion.chunk", "created": now(), "model": served.model_name}
-
-    def logprobs(piece: Piece) -> dict | None:
-        return chat_logprobs(served.text.decode, piece.token_ids, piece.logprobs) if req.logprobs else None
-
-    def chunk(delta: dict, finish_reason: str | None = None, piece: Piece | None = None) -> dict:
-        return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": piece and logprobs(piece),
-                                     "finish_reason": finish_reason}]}
-
+    n = req.n or 1
+    last = req.messages[-1] if req.messages else {}
+    echo_text = last.get("content") or "" if req.echo and last.get("role") == "assistant" else ""
+    choices = ChatChoices(served.text, req, [prompt], n, echo_text if isinstance(echo_text, str) else "", tools)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return event_stream(sse_stream(
-            generation, [prompt], include_usage,
-            lambda p: chunk(*tools.delta(p.text, p.finish_reason), p),
-            lambda u: {**base, "choices": [], "usage": u}, [chunk({"role": "assistant", "content": ""})]))
-    wholes, finals = await until_disconnected(request, collect(generation, 1))
-    message, finish_reason = tools.message(wholes[0].text, finals[0].finish_reason or "stop")
-    choice = {"index": 0, "message": message, "logprobs": logprobs(wholes[0]), "finish_reason": finish_reason}
-    if req.return_token_ids:
-        choice["token_ids"] = wholes[0].token_ids
-    return json_response({**base, "object": "chat.completion", "choices": [choice], "usage": usage([prompt], finals)})
+            generation, [prompt], n, req.stream_options, lambda p: {**base, "choices": [choices.delta(p)]},
+            lambda u: {**base, "choices": [], "usage": u}, [{**base, "choices": [choices.opening(i)]}
+                                                             for i in range(n)]))
+    wholes, finals = await until_disconnected(request, collect(generation, n))
+    answer = [choices.message(w, f.finish_reason) for w, f in zip(wholes, finals, strict=True)]
+    body = {**base, "object": "chat.completion", "choices": answer, "usage": usage([prompt], finals, n)}
+    if req.prompt_logprobs is not None:  # vLLM puts a chat's on the answer, as well as on each choice here
+        body["prompt_logprobs"] = answer[0].get("prompt_logprobs")
+    return json_response(body)

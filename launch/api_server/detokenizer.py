@@ -3,7 +3,9 @@
 Each step decodes a short window of tokens twice (the window's settled part, and all of it) and emits the
 difference; while the newest tokens decode to a partial character (U+FFFD at the end) nothing is emitted.
 Stop strings are searched in the text not yet emitted, and the last len(longest stop) - 1 characters are
-held back, so a stop string spanning tokens is found before any part of it leaves.
+held back, so a stop string spanning tokens is found before any part of it leaves. As in vLLM, a stop string
+ends the text before it (with include_stop_str_in_output, after it), and none is looked for until the output has
+more than min_tokens tokens.
 """
 
 from collections.abc import Callable
@@ -13,8 +15,11 @@ PROMPT_CONTEXT = 6  # prompt tokens in the first window: a tokenizer may decode 
 
 
 class IncrementalDetokenizer:
-    def __init__(self, decode: Callable[[list[int]], str], prompt_token_ids: list[int], stop: list[str]) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], prompt_token_ids: list[int], stop: list[str],
+                 include_stop: bool = False, min_tokens: int = 0) -> None:
         self.decode = decode
+        self.include_stop, self.min_tokens = include_stop, min_tokens
+        self.num_tokens = 0  # output tokens so far
         self.ids = list(prompt_token_ids[-PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -28,6 +33,7 @@ class IncrementalDetokenizer:
         """The new text that may be sent now; final: the request ended, flush everything (even a partial char)."""
         if self.stopped:
             return ""
+        self.num_tokens += len(token_ids)
         self.ids += token_ids
         self.text += self._new_text(final)
         return self._release(final)
@@ -41,10 +47,12 @@ class IncrementalDetokenizer:
         return full[len(settled):]
 
     def _release(self, final: bool) -> str:
-        found = [i for s in self.stop if (i := self.text.find(s, self.emitted)) != -1]
+        found = [] if self.num_tokens <= self.min_tokens else [
+            (i, i + len(s) if self.include_stop else i) for s in self.stop if (i := self.text.find(s, self.emitted)) != -1
+        ]
         if found:
             self.stopped = True
-            self.text = self.text[:min(found)]
+            self.text = self.text[:min(found)[1]]
             end = len(self.text)
         else:
             end = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)

@@ -6,11 +6,15 @@ here. Two bounds keep one user from taking it all:
 - `UserAdmission`: a user has at most `limit` prompts in flight (a request of N prompts counts N); past it, 429.
 - `EngineSlots`: at most `size` engine requests in flight from this process, never more than the engine admits
   from one client; a freed slot goes to the waiting user with the fewest requests in the engine, so a user with
-  one prompt waits for one slot, not behind another user's thousand.
+  one prompt waits for one slot, not behind another user's thousand. Under the engine's priority policy a request
+  waits here as it would in the engine's queue: the lowest priority value first (then the fairness rule), since
+  with the window full the engine's own queue stays empty.
 """
 
 import asyncio
-from collections import Counter, deque
+import heapq
+import itertools
+from collections import Counter
 
 from launch.api_server.errors import ApiError
 
@@ -38,12 +42,13 @@ class EngineSlots:
     def __init__(self, size: int) -> None:
         self.free = size
         self.in_engine: Counter[str] = Counter()
-        self.waiting: dict[str, deque[asyncio.Future]] = {}
+        self.waiting: dict[str, list[tuple[int, int, asyncio.Future]]] = {}  # per user: (priority, arrival, waiter)
+        self.arrivals = itertools.count()
 
-    async def acquire(self, user: str) -> None:
-        """Wait for a slot, granted fairly; a cancelled wait holds none."""
+    async def acquire(self, user: str, priority: int = 0) -> None:
+        """Wait for a slot, granted by priority, then fairly; a cancelled wait holds none."""
         future = asyncio.get_running_loop().create_future()
-        self.waiting.setdefault(user, deque()).append(future)
+        heapq.heappush(self.waiting.setdefault(user, []), (priority, next(self.arrivals), future))
         self._grant()
         try:
             await future
@@ -61,9 +66,10 @@ class EngineSlots:
 
     def _grant(self) -> None:
         while self.free and self.waiting:
-            user = min(self.waiting, key=lambda u: self.in_engine[u])  # ties: the user waiting longest
+            # ties: the user waiting longest
+            user = min(self.waiting, key=lambda u: (self.waiting[u][0][0], self.in_engine[u]))
             queue = self.waiting[user]
-            future = queue.popleft()
+            _, _, future = heapq.heappop(queue)
             if not queue:
                 del self.waiting[user]
             if future.cancelled():

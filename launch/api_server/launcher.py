@@ -26,6 +26,7 @@ class ApiServerSettings(msgspec.Struct, kw_only=True, frozen=True):
     metrics_url: str  # the engine core's metrics endpoint
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)  # keys from the environment stay there
     engine_window: int = 256  # engine requests in flight from one API process
+    scheduling_policy: str = "fcfs"  # the engine's: a request's priority needs "priority"
     log_level: str = "INFO"
 
 
@@ -61,6 +62,7 @@ class ApiServers:
             metrics_url=f"http://{host}:{metrics_port}/metrics",
             server=server,
             engine_window=engine_window(self.config), log_level=server.log_level,
+            scheduling_policy=self.config.scheduler.scheduling_policy,
         )
         argv = [sys.executable, "-m", "launch.api_server.process", msgspec.json.encode(settings).decode()]
         for _ in range(server.api_server_count):

@@ -15,7 +15,7 @@ from launch.api_server.app import create_app
 from launch.api_server.connections import HttpConfig, HttpServer
 from launch.api_server.launcher import ApiServerSettings
 from launch.api_server.state import Served
-from launch.api_server.text_model import load_text_model
+from launch.api_server.text_model import chat_template_text, load_text_model
 from launch.client import AsyncEngineClient, install_uvloop
 
 
@@ -25,8 +25,15 @@ def main(argv: list[str]) -> int:
     install_uvloop()
     engine = AsyncEngineClient(settings.engine_address)
     server = settings.server
-    served = Served(engine, load_text_model(settings.model), settings.model_name, settings.max_model_len,
-                    settings.metrics_url, server, settings.engine_window)
+    text = load_text_model(settings.model)
+    if server.chat_template is not None:
+        try:
+            text.chat_template = chat_template_text(server.chat_template)
+        except OSError as e:
+            logging.getLogger(__name__).error("--chat-template: cannot read %s: %s", server.chat_template, e)
+            return 1
+    served = Served(engine, text, settings.model_name, settings.max_model_len, settings.metrics_url, server,
+                    settings.engine_window, priority_scheduling=settings.scheduling_policy == "priority")
 
     @asynccontextmanager
     async def lifespan(app):

@@ -1,9 +1,11 @@
 """The request bodies of the OpenAI API, decoded with msgspec.
 
-A field the server does not know is refused by name (400), never dropped. Parameters of OpenAI's or vLLM's API
-that the engine does not honour yet are declared so that their neutral value (what a client sends when it does
-not use them) is accepted and any other value is refused by name; see `unsupported`.
+A field the server does not know is refused by name (400), never dropped. Every field of vLLM's completion and
+chat request schemas is declared: honoured, or refused by name unless it holds the value that means "not used",
+or ignored where vLLM ignores it too (parameters.py says which and why).
 """
+
+from typing import Literal
 
 import msgspec
 
@@ -13,8 +15,8 @@ MAX_CACHE_SALT_CHARS = 256
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # not honoured yet: refused when true
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # every chunk carries the usage so far (with include_usage)
 
 
 class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -22,19 +24,42 @@ class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class _Sampling(_Request, kw_only=True):
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # vLLM's -1 (off) is accepted too
+    """The fields both generation routes share. A null where OpenAI's schema allows one means the default."""
+
+    # OpenAI's
+    temperature: float | None = None
+    top_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    n: int = 1
-    stream: bool = False
+    n: int | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
-    return_token_ids: bool = False  # an extension: each choice (or chunk) also carries its token ids
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    # vLLM's sampling parameters (request_params.py)
+    top_k: int | None = None  # vLLM's -1 (off) is accepted too
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
+    min_tokens: int | None = 0
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True  # as in vLLM, no effect with a fast (Rust) tokenizer
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens (-1: max_model_len)
+    truncation_side: Literal["left", "right"] | None = None  # right: keep the first k instead
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    # vLLM's other extensions
+    priority: int | None = 0  # lower runs first; needs --scheduling-policy priority
+    request_id: str | None = None  # the response's id is built from it
+    return_token_ids: bool | None = False  # each choice (or chunk) also carries its token ids
+    return_tokens_as_token_ids: bool | None = False  # log-probabilities name tokens "token_id:N"
     cache_salt: str | None = None  # vLLM's: prompts with different salts never share cached prefixes
     # a structured output (launch/api_server/structured.py): OpenAI's, vLLM's, and vLLM's older guided_* fields
     response_format: dict | None = None
@@ -43,36 +68,58 @@ class _Sampling(_Request, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # not honoured yet: accepted only at their neutral value
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
-    logit_bias: dict[str, float] | None = None
-    prompt_logprobs: int | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True  # the detokenizer skips them: true is what it does
+    # declared so that a client's value is read, never an unknown field: refused by name unless it means "not
+    # used", or ignored as vLLM ignores it (parameters.py)
+    use_beam_search: bool | None = False
+    length_penalty: float | None = 1.0
+    logits_processors: list | None = None
+    vllm_xargs: dict | None = None
+    kv_transfer_params: dict | None = None
+    ec_transfer_params: dict | None = None
+    watermarking: bool | None = None
+    logprob_token_ids: list[int] | None = None
+    repetition_detection: dict | None = None
+    thinking_token_budget: int | None = None
+    stream_interval: int | None = None
+    routed_experts_prompt_start: int | None = 0
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+    user: str | None = None
+    session_id: str | None = None
+    return_token_offsets: bool | None = False
+    return_mm_kwargs: bool | None = True
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: Prompt
     max_tokens: int | None = 16
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    echo: bool | None = False  # the prompt first (with logprobs: its tokens' log-probabilities first)
+    suffix: str | None = None  # refused: no model here has a fill-in-the-middle template
+    add_special_tokens: bool | None = True
+    prompt_embeds: object = None  # refused (parameters.py)
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[dict]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None  # null: true, unless continue_final_message
+    continue_final_message: bool | None = False  # the last message is continued (no end of turn after it)
+    echo: bool | None = False  # vLLM's: the reply starts with the last message when that is the assistant's
+    add_special_tokens: bool | None = False  # on top of those the chat template writes
+    chat_template: str | None = None  # this request's template, rendered in the same sandbox
     chat_template_kwargs: dict | None = None
+    documents: list[dict] | None = None  # handed to the template, as vLLM does
     # tool calling (launch/api_server/tools/): the tools reach the chat template; auto, required or a named call
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None  # false: one call at most
+    reasoning_effort: str | None = None  # refused
+    include_reasoning: bool | None = True  # ignored
+    mm_processor_kwargs: dict | None = None  # refused
+    media_io_kwargs: dict | None = None  # refused
+    return_prompt_text: bool | None = None  # refused
 
 
 class TokenizeRequest(_Request, kw_only=True):
@@ -84,22 +131,3 @@ class TokenizeRequest(_Request, kw_only=True):
 
 class DetokenizeRequest(_Request, kw_only=True):
     tokens: list[int]
-
-
-# parameter -> the values that mean "not used"
-NEUTRAL: dict[str, tuple[object, ...]] = {
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
-    "min_p": (None, 0), "min_tokens": (None, 0), "logit_bias": (None, {}), "prompt_logprobs": (None,),
-    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,), "echo": (False,), "best_of": (None, 1),
-    "suffix": (None,),
-}
-
-
-def unsupported(req: _Sampling) -> str | None:
-    """The first parameter set to a value the engine does not honour yet, or None."""
-    for name, neutral in NEUTRAL.items():
-        if getattr(req, name, neutral[0]) not in neutral:  # the schema fixes each value's type
-            return name
-    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
-        return "stream_options"
-    return None

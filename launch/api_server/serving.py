@@ -3,62 +3,48 @@
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 
 import msgspec
 
 from launch.api_server.auth import User
 from launch.api_server.detokenizer import IncrementalDetokenizer
-from launch.api_server.errors import ApiError, bad_param
+from launch.api_server.errors import ApiError
 from launch.api_server.generation import Choice, Generation, Piece
-from launch.api_server.prompts import max_tokens_for
-from launch.api_server.schemas import MAX_CACHE_SALT_CHARS, ChatCompletionRequest, CompletionRequest, unsupported
+from launch.api_server.parameters import check_parameters
+from launch.api_server.request_params import echo_only, engine_params
+from launch.api_server.schemas import MAX_CACHE_SALT_CHARS, ChatCompletionRequest, CompletionRequest, StreamOptions
 from launch.api_server.state import Served
 from launch.api_server.structured import request_structured_outputs
-from protocol import SamplingParams, StructuredOutputsParams
+from protocol.messages import MAX_PRIORITY, MIN_PRIORITY
 
 Request = CompletionRequest | ChatCompletionRequest
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # the detokenizer searches each one after every token
+MAX_REQUEST_ID_CHARS = 128  # a client's request_id, inside the engine requests' ids (at most 256 characters)
 
 
-def check_request(req: Request) -> None:
-    """Refuse what the engine would not honour, naming the parameter."""
-    name = unsupported(req)
-    if name is not None:
-        raise ApiError(400, f"{name} is not supported yet: the engine would not honour it", name)
-    if req.n != 1:
-        raise ApiError(400, "n must be 1 (one choice per prompt)", "n")
+def check_request(req: Request, served: Served) -> None:
+    """Refuse what this server does not honour, naming the parameter (parameters.py), and what contradicts itself."""
+    check_parameters(req)
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options needs stream=true", "stream_options")
     if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_CACHE_SALT_CHARS:
         raise ApiError(400, f"cache_salt is a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
                        "cache_salt")
-
-
-def sampling_params(req: Request, prompt: list[int], max_tokens: int | None, max_model_len: int,
-                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens_for(prompt, max_tokens, max_model_len), temperature=req.temperature,
-            top_k=0 if req.top_k == -1 else req.top_k, top_p=req.top_p, seed=req.seed,
-            stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=requested_logprobs(req),
-            structured_outputs=structured,
-        )
-    except ValueError as e:
-        raise bad_param(e) from None
-
-
-def requested_logprobs(req: Request) -> int | None:
-    """Alternatives per token, or None for no log-probabilities: completions take logprobs=k (0..20); chat takes
-    logprobs=true with top_logprobs=k."""
-    if isinstance(req, ChatCompletionRequest):
-        if req.top_logprobs is not None and not req.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        return (req.top_logprobs or 0) if req.logprobs else None
-    if req.top_logprobs is not None:
-        raise ApiError(400, "top_logprobs is a chat parameter; completions take logprobs=k", "top_logprobs")
-    if isinstance(req.logprobs, bool):
-        raise ApiError(400, "logprobs of a completion is the number of alternatives per token (0 to 20)", "logprobs")
-    return req.logprobs
+    if req.request_id is not None and not 0 < len(req.request_id) <= MAX_REQUEST_ID_CHARS:
+        raise ApiError(400, f"request_id is a non-empty string of at most {MAX_REQUEST_ID_CHARS} characters",
+                       "request_id")
+    priority = req.priority or 0
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ApiError(400, f"priority must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority}", "priority")
+    if priority and not served.priority_scheduling:
+        raise ApiError(400, "priority needs a server started with --scheduling-policy priority (this one runs "
+                            "requests first come, first served)", "priority")
+    if isinstance(req, CompletionRequest) and req.suffix:
+        raise ApiError(400, "suffix is not supported: this model has no fill-in-the-middle template", "suffix")
+    if isinstance(req, ChatCompletionRequest) and req.continue_final_message and req.add_generation_prompt:
+        raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                       "continue_final_message")
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
@@ -69,26 +55,49 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
+def truncated(req: Request, prompt: list[int], max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens=k: the prompt's last k tokens (first k with truncation_side right; -1 is
+    max_model_len)."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return prompt
+    if k == -1:
+        k = max_model_len
+    if k < 1:
+        raise ApiError(400, f"truncate_prompt_tokens is -1 or at least 1, got {k}", "truncate_prompt_tokens")
+    return prompt[:k] if req.truncation_side == "right" else prompt[-k:]
+
+
 def start(served: Served, user: User, req: Request, prompts: list[list[int]], max_tokens: int | None,
           prefix: str) -> tuple[str, Generation]:
     """Check every prompt's parameters, then start its engine request: (response id, the generation)."""
     structured = request_structured_outputs(req)
-    params = [sampling_params(req, p, max_tokens, served.max_model_len, structured) for p in prompts]
+    params = [engine_params(req, p, max_tokens, served.max_model_len, served.text.encode, structured)
+              for p in prompts]
     stop = stop_strings(req.stop)
-    choices = [Choice(p, sp, IncrementalDetokenizer(served.text.decode, p, stop))
+    decode = served.text.decode if req.skip_special_tokens is not False else partial(served.text.decode,
+                                                                                    skip_special_tokens=False)
+    include_stop = bool(req.include_stop_str_in_output)
+    eos = served.text.eos_token_id
+    choices = [Choice(p, sp, [IncrementalDetokenizer(decode, p, stop, include_stop, sp.min_tokens)
+                              for _ in range(sp.n)], drop_output=echo_only(req, max_tokens),
+                      stop_ids=frozenset() if include_stop else frozenset([*sp.stop_token_ids,
+                                                                           *([] if eos is None else [eos])]))
                for p, sp in zip(prompts, params, strict=True)]
-    response_id = f"{prefix}-{uuid.uuid4().hex}"
+    response_id = f"{prefix}-{req.request_id or uuid.uuid4().hex}"
     generation = Generation(served.engine, served.slots, user.name, response_id, choices,
-                            user.cache_salt(req.cache_salt))
+                            user.cache_salt(req.cache_salt), req.priority or 0)
     return response_id, generation
 
 
-def usage(prompts: list[list[int]], finals: list[Piece]) -> dict:
+def usage(prompts: list[list[int]], finals: list[Piece], n: int) -> dict:
+    """Prompt tokens once per prompt, completion tokens of every choice; cached tokens of each prompt's first
+    sequence (the others read the prompt it computed)."""
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(p.completion_tokens for p in finals)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(p.cached_tokens for p in finals)}}
+            "prompt_tokens_details": {"cached_tokens": sum(p.cached_tokens for p in finals if p.index % n == 0)}}
 
 
 async def collect(generation: Generation, count: int) -> tuple[list[Piece], list[Piece]]:
@@ -96,9 +105,12 @@ async def collect(generation: Generation, count: int) -> tuple[list[Piece], list
     wholes = [Piece(i, "", []) for i in range(count)]
     finals = [Piece(i, "", []) for i in range(count)]
     async for piece in generation.pieces():
-        wholes[piece.index].text += piece.text
-        wholes[piece.index].token_ids += piece.token_ids
-        wholes[piece.index].logprobs += piece.logprobs
+        whole = wholes[piece.index]
+        whole.text += piece.text
+        whole.token_ids += piece.token_ids
+        whole.logprobs += piece.logprobs
+        if piece.prompt_logprobs is not None:
+            whole.prompt_logprobs = piece.prompt_logprobs
         if piece.finish_reason is not None:
             finals[piece.index] = piece
     if any(f.finish_reason in ("error", "abort", None) for f in finals):
@@ -110,20 +122,32 @@ def sse(data: object) -> bytes:
     return b"data: " + msgspec.json.encode(data) + b"\n\n"
 
 
-async def sse_stream(generation: Generation, prompts: list[list[int]], include_usage: bool,
+async def sse_stream(generation: Generation, prompts: list[list[int]], n: int, options: StreamOptions | None,
                      chunk: Callable[[Piece], dict], usage_chunk: Callable[[dict], dict],
                      first: list[dict]) -> AsyncIterator[bytes]:
-    """The SSE body: the first chunks (chat: the role), one chunk per piece, usage if asked, then [DONE]."""
+    """The SSE body: the first chunks (chat: the roles), one chunk per piece, usage if asked (with
+    continuous_usage_stats, each chunk also carries its choice's usage so far), then [DONE]."""
+    include_usage = bool(options and options.include_usage)
+    continuous = include_usage and bool(options and options.continuous_usage_stats)
     for data in first:
+        if continuous:
+            data["usage"] = {"prompt_tokens": len(prompts[0]), "completion_tokens": 0, "total_tokens": len(prompts[0])}
         yield sse(data)
     finals: list[Piece] = []
+    generated: dict[int, int] = {}
     async for piece in generation.pieces():
+        generated[piece.index] = generated.get(piece.index, 0) + len(piece.token_ids)
         if piece.finish_reason is not None:
             finals.append(piece)
-        if piece.text or piece.finish_reason is not None:
-            yield sse(chunk(piece))
+        if piece.text or piece.finish_reason is not None or piece.prompt_logprobs is not None:
+            data = chunk(piece)
+            if continuous:
+                prompt_tokens = len(prompts[piece.index // n])
+                data["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": generated[piece.index],
+                                 "total_tokens": prompt_tokens + generated[piece.index]}
+            yield sse(data)
     if include_usage:
-        yield sse(usage_chunk(usage(prompts, finals)))
+        yield sse(usage_chunk(usage(prompts, finals, n)))
     yield b"data: [DONE]\n\n"
 
 

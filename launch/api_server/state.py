@@ -29,6 +29,7 @@ class Served:
     metrics_url: str
     config: ServerConfig = field(default_factory=ServerConfig)
     engine_window: int = 256  # engine requests in flight from this process (see fairness.EngineSlots)
+    priority_scheduling: bool = False  # the engine's --scheduling-policy is priority: a request's priority counts
     stopping: bool = False
     handlers: set[asyncio.Task] = field(default_factory=set)
 

@@ -23,18 +23,34 @@ class TextModel:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def eos_token_id(self) -> int | None:
+        """The model's EOS token, as its special tokens name it (None if they do not)."""
+        eos = self.special_tokens.get("eos_token")
+        return None if eos is None else self.tokenizer.token_to_id(eos)
 
     @cached_property
     def longest_token_chars(self) -> int:
         """Characters of the vocabulary's longest token string: one token covers at most this many of a text."""
         return max(len(token) for token in self.tokenizer.get_vocab(with_added_tokens=True))
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **variables: object) -> str:
-        if self.chat_template is None:
-            raise ValueError("this model has no chat template; use /v1/completions")
-        return render_chat(self.chat_template, messages, add_generation_prompt, **self.special_tokens, **variables)
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, template: str | None = None,
+                    **variables: object) -> str:
+        """With the model's template, or the given one (a request's chat_template), in the same sandbox."""
+        template = template or self.chat_template
+        if template is None:
+            raise ValueError("this model has no chat template (give one with --chat-template or chat_template), "
+                             "or use /v1/completions")
+        return render_chat(template, messages, add_generation_prompt, **self.special_tokens, **variables)
+
+
+def chat_template_text(given: str) -> str:
+    """--chat-template: the template's text, or a file holding it (as vLLM tells them apart: a template has
+    Jinja's braces, a path has none); raises OSError for a file it cannot read."""
+    return given if "{" in given else Path(given).read_text()
 
 
 def load_text_model(model: str | None) -> TextModel:

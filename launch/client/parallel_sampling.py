@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 GenerateOne = Callable[[SamplingParams, str], AsyncIterator["RequestOutput"]]
 
 
+def child_request_id(parent_id: str, index: int) -> str:
+    """The engine request of the parent's sequence `index`."""
+    return f"{index}_{parent_id}"
+
+
 @dataclass
 class _Child:
     """A best_of child's whole output, kept until every child has finished."""
@@ -49,7 +54,7 @@ class ParentRequest:
         self.seen: set[int] = set()  # children whose first output has come
 
     def child_id(self, index: int) -> str:
-        return f"{index}_{self.request_id}"
+        return child_request_id(self.request_id, index)
 
     def child_params(self, index: int) -> SamplingParams:
         p = self.params

@@ -161,11 +161,11 @@ def test_a_client_that_disconnects_aborts_its_non_streamed_request(start_server)
 
 @pytest.mark.parametrize(("body", "status", "param", "words"), [
     ({"prompt": "hi", "temperature": -1}, 400, "temperature", "temperature must be"),
-    ({"prompt": "hi", "top_p": "x"}, 400, "top_p", "Expected `float`"),
+    ({"prompt": "hi", "top_p": "x"}, 400, "top_p", "Expected `float | null`"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model", "does not exist"),
     ({"prompt": list(range(3, 300))}, 400, "prompt", "maximum context length is 256"),
     ({"prompt": "hi", "max_tokens": 1000}, 400, "max_tokens", "maximum context length is 256"),
-    ({"prompt": "hi", "n": 2}, 400, "n", "n must be 1"),
+    ({"prompt": "hi", "n": 0}, 400, "n", "n must be in [1, 128]"),
     ({"prompt": []}, 400, "prompt", "empty"),
 ])
 def test_errors_have_openais_shape_and_status(api, body, status, param, words):

@@ -11,8 +11,9 @@ def chat_tools(served: Served, req) -> ToolAnswer:
     valid). A parser whose markers are special tokens (mistral, llama3_json) has the answer decoded with them, as
     vLLM does; the model's EOS text, which such a decode ends with, is not the answer's."""
     choice = tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, served.config) or ToolChoice("none", [])
-    eos = served.text.special_tokens.get("eos_token")
-    answer = ToolAnswer(choice, (eos,) if eos else ())
-    if answer.keeps_special_tokens:
+    answer = ToolAnswer(choice)
+    if answer.keeps_special_tokens:  # only then is the EOS text at the end the decode's, not the client's ask
         req.skip_special_tokens = False
+        eos = served.text.special_tokens.get("eos_token")
+        answer = ToolAnswer(choice, (eos,) if eos else ())
     return answer
