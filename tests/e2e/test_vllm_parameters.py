@@ -16,6 +16,7 @@ from tests.e2e.vllm_parameter_checks import (
     IGNORED,
     PROMPT,
     REFUSED,
+    USER,
     check_chat_echo,
     ignored,
     ok,
@@ -110,3 +111,30 @@ async def waiting(client: AsyncEngineClient, n: int) -> bool:
             return True
         await asyncio.sleep(0.05)
     return False
+
+
+NULLABLE = {  # OpenAI's schemas allow null for these (and vLLM's top_k and ignore_eos are commonly sent null)
+    "/v1/completions": ["best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "n",
+                        "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature",
+                        "top_p", "user", "top_k", "ignore_eos"],
+    "/v1/chat/completions": ["frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "max_tokens",
+                             "max_completion_tokens", "n", "presence_penalty", "response_format", "seed", "stop",
+                             "stream", "stream_options", "temperature", "top_p", "tools", "tool_choice",
+                             "parallel_tool_calls", "user", "top_k", "ignore_eos"],
+}
+
+
+@pytest.mark.parametrize("path", list(NULLABLE))
+def test_null_is_the_default_wherever_openai_allows_it(api, path):
+    """Every such field null at once: the answer of a request that leaves them out."""
+    body = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": USER}
+    plain = api.request("POST", path, {**body, "seed": 3, "return_token_ids": True})
+    nulls = api.request("POST", path, {**body, **dict.fromkeys(NULLABLE[path]), "seed": 3, "return_token_ids": True})
+    assert plain[0] == nulls[0] == 200, nulls
+    assert plain[1]["choices"][0]["token_ids"] == nulls[1]["choices"][0]["token_ids"]
+
+
+def test_a_null_max_tokens_is_the_rest_of_the_context(api):
+    """As in vLLM, where a completion's max_tokens left out is 16 and null is what the context leaves."""
+    status, body = api.request("POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": None, "ignore_eos": True})
+    assert status == 200 and body["usage"]["completion_tokens"] == 256 - len(PROMPT)
