@@ -86,7 +86,8 @@ class CacheConfig(_Area, frozen=True):
         "space of its file system at start-up", parse="bytes")] = None
     kv_disk_eviction: Annotated[Literal["lru", "fifo"], setting(
         "which disk blocks go first when the tier is full: lru (least recently loaded or saved) or fifo (oldest "
-        "save)")] = "lru"
+        "save). lru, measured on the Mooncake conversation trace with 4M tokens in memory and a 24M-token tier: "
+        "36.0 per cent of prompt tokens hit, against 33.6 with fifo (docs/benchmarks.md)")] = "lru"
 
 
 class SchedulerConfig(_Area, frozen=True):
