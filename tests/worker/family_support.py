@@ -9,10 +9,6 @@ from pathlib import Path
 
 import torch
 
-from engine_core.core import EngineCore
-from protocol import EngineCoreRequest, SamplingParams
-from tests.worker.parity_support import MAX_NEW
-
 WINDOW = 24
 # realistic ratios at a small size: 4 query heads over 2 KV heads of 32 dims (64 for Gemma), a few layers
 BASE = {"vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
@@ -96,19 +92,3 @@ def build_family(name: str, folder: Path, seed: int = 0, **changes) -> Path:
     randomize(model, seed, norm_offset=1.0 if name.startswith("gemma") else 0.0)
     model.save_pretrained(folder)
     return folder
-
-
-def run_engine(engine: EngineCore, waves: list[list[list[int]]]) -> list[list[int]]:
-    """Greedy outputs of each wave's prompts, a wave added once the previous one has finished."""
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    outs = []
-    for w, wave in enumerate(waves):
-        got: dict[str, list[int]] = {f"{w}-{i}": [] for i in range(len(wave))}
-        for i, p in enumerate(wave):
-            engine.add_request(EngineCoreRequest(f"{w}-{i}", p, params, arrival_time=0.0))
-        while engine.has_work():
-            for o in engine.step().outputs:
-                assert o.error is None, o.error
-                got[o.request_id] += o.new_token_ids
-        outs += got.values()
-    return outs

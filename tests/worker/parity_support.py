@@ -4,8 +4,11 @@ import os
 
 import torch
 
+from engine_core.core import EngineCore
+from protocol import EngineCoreRequest, SamplingParams, SchedulerStats
 from protocol.config import engine_config
 from tests.worker.harness import kv_config
+from worker.inproc_executor import InProcExecutor
 from worker.worker import Worker
 
 MAX_NEW = 10
@@ -87,3 +90,37 @@ def record_fills(w) -> list[tuple[int, int, int]]:
 
     w.runner.kv.buffers.fill = recording
     return seen
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def run_engine(engine: EngineCore, waves: list[list[list[int]]], params=GREEDY) -> list[list[int]]:
+    """Outputs of each wave's prompts, a wave added once the previous one has finished."""
+    outs = []
+    for w, wave in enumerate(waves):
+        got: dict[str, list[int]] = {f"{w}-{i}": [] for i in range(len(wave))}
+        for i, p in enumerate(wave):
+            engine.add_request(EngineCoreRequest(f"{w}-{i}", p, params, arrival_time=0.0))
+        while engine.has_work():
+            for o in engine.step().outputs:
+                assert o.error is None, o.error
+                got[o.request_id] += o.new_token_ids
+        outs += got.values()
+    return outs
+
+
+def preempting_waves(folder, num_blocks: int, **settings) -> tuple[list[int], list[list[int]], SchedulerStats]:
+    """Two waves through an in-process engine whose small pool forces preemption and whose second wave hits the
+    first's prefixes: (the prompts, greedy outputs, stats)."""
+    first = prompts([70, 45, 33, 52, 20, 64], seed=4)
+    second = [first[0][:48] + [9, 9], first[3] + [1, 2, 3]]
+    config = engine_config(dtype="float32", model=str(folder), max_model_len=96, max_num_seqs=8,
+                           max_num_batched_tokens=48, kv_cache_memory_bytes=[1 << 24],
+                           num_gpu_blocks_override=num_blocks, check_block_tables=True, **settings)
+    engine = EngineCore(config, InProcExecutor(config))
+    try:
+        return first + second, run_engine(engine, [first, second]), engine.get_stats()
+    finally:
+        engine.shutdown()
+

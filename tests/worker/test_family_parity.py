@@ -5,12 +5,10 @@ real engine core with a pool small enough to preempt."""
 import pytest
 import torch
 
-from engine_core.core import EngineCore
 from protocol.config import engine_config
-from tests.worker.family_support import FAMILY_SPECS, build_family, run_engine
+from tests.worker.family_support import FAMILY_SPECS, build_family
 from tests.worker.harness import Driver, hf_greedy, kv_config
-from tests.worker.parity_support import BACKENDS, MAX_NEW, RAGGED, make_worker, prompts
-from worker.inproc_executor import InProcExecutor
+from tests.worker.parity_support import BACKENDS, MAX_NEW, RAGGED, make_worker, preempting_waves, prompts
 from worker.worker import Worker
 
 pytest.importorskip("transformers")
@@ -48,18 +46,8 @@ def test_second_wave_on_cached_prefix_blocks_matches_transformers(family):
 
 def test_engine_with_preemption_chunks_and_prefix_cache_matches_transformers(family):
     name, folder, _ = family
-    first = prompts([70, 45, 33, 52, 20, 64], seed=4)
-    second = [first[0][:48] + [9, 9], first[3] + [1, 2, 3]]
-    config = engine_config(dtype="float32", model=str(folder), max_model_len=96, max_num_seqs=8,
-                           max_num_batched_tokens=48, kv_cache_memory_bytes=[1 << 24], check_block_tables=True,
-                           num_gpu_blocks_override=NUM_BLOCKS.get(name, 12))
-    engine = EngineCore(config, InProcExecutor(config))
-    try:
-        got = run_engine(engine, [first, second])
-        stats = engine.get_stats()
-    finally:
-        engine.shutdown()
-    assert got == hf_greedy(folder, first + second, MAX_NEW)
+    asked, got, stats = preempting_waves(folder, NUM_BLOCKS.get(name, 12))
+    assert got == hf_greedy(folder, asked, MAX_NEW)
     assert stats.num_preemptions > 0
     assert stats.prefix_cache_hits > 0
 

@@ -10,12 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine_core.core import EngineCore
 from protocol.config import engine_config
-from tests.worker.family_support import build_family, randomize, run_engine
+from tests.worker.family_support import build_family, randomize
 from tests.worker.harness import Driver, hf_greedy
-from tests.worker.parity_support import MAX_NEW, RAGGED, make_worker, prompts
-from worker.inproc_executor import InProcExecutor
+from tests.worker.parity_support import MAX_NEW, RAGGED, make_worker, preempting_waves
 from worker.model.transformers_backend import _STEP, Step, TransformersModel, paged_attention_interface
 from worker.worker import Worker
 
@@ -73,19 +71,8 @@ def test_ragged_batch_and_chunked_prefill_match_transformers(fallback, backend):
 
 def test_engine_with_preemption_and_prefix_cache_matches_transformers(fallback):
     name, folder, _ = fallback
-    first = prompts([70, 45, 33, 52, 20, 64], seed=4)
-    second = [first[0][:48] + [9, 9], first[3] + [1, 2, 3]]
-    config = engine_config(dtype="float32", model=str(folder), model_impl="transformers", max_model_len=96,
-                           max_num_seqs=8, max_num_batched_tokens=48, kv_cache_memory_bytes=[1 << 24],
-                           num_gpu_blocks_override=POOL.get(name, 12),
-                           check_block_tables=True)
-    engine = EngineCore(config, InProcExecutor(config))
-    try:
-        got = run_engine(engine, [first, second])
-        stats = engine.get_stats()
-    finally:
-        engine.shutdown()
-    assert got == hf_greedy(folder, first + second, MAX_NEW)
+    asked, got, stats = preempting_waves(folder, POOL.get(name, 12), model_impl="transformers")
+    assert got == hf_greedy(folder, asked, MAX_NEW)
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
 
 
