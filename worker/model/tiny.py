@@ -10,7 +10,7 @@ from protocol.model.source import tiny_config
 
 
 def random_weights(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
-    """HF-named float32 weights; scaled so logits have clear winners (greedy parity is robust)."""
+    """HF-named weights in the config's torch_dtype; scaled so logits have clear winners (greedy parity is robust)."""
     g = torch.Generator().manual_seed(seed)
     h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     heads = cfg["num_attention_heads"]
@@ -18,8 +18,10 @@ def random_weights(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     kv = cfg.get("num_key_value_heads") or heads
     bias = cfg["architectures"][0] == "Qwen2ForCausalLM" or cfg.get("attention_bias", False)
 
+    dtype = getattr(torch, cfg.get("torch_dtype", "float32"))
+
     def rand(*shape, std):
-        return torch.randn(*shape, generator=g) * std
+        return (torch.randn(*shape, generator=g) * std).to(dtype)
 
     w = {"model.embed_tokens.weight": rand(vocab, h, std=1.0), "model.norm.weight": 1 + rand(h, std=0.1)}
     if not cfg.get("tie_word_embeddings", False):
