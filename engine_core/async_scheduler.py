@@ -30,6 +30,6 @@ class AsyncScheduler(Scheduler):
         running = request.status == _RUNNING  # not a stale token of a request preempted since
         new_token_ids, status = Scheduler._update_request_with_output(self, request, token_ids)  # not super(): hot
         if running:  # the placeholder is a token now: its block may be full
-            request.num_output_placeholders -= len(token_ids)
+            request.num_output_placeholders -= 1  # one step's answer (several tokens where it verified drafts)
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens - request.num_output_placeholders)
         return new_token_ids, status

@@ -61,6 +61,7 @@ class Request:
         # num_computed_tokens, not in all_token_ids); at preemption they become stale: delivered, not recomputed.
         self.num_output_placeholders = 0
         self.num_stale_output_tokens = 0
+        self.spec_token_ids: list[int] = []  # n-gram drafts of the step in flight (engine_core/spec_decode/)
         self.admitted_step = 0  # the step that last moved it from waiting to running
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
         self.num_preemptions = 0

@@ -25,8 +25,9 @@ from engine_core.prompt_logprobs import attach_prompt_logprobs
 from engine_core.request import FINISH_REASON, Request, RequestStatus
 from engine_core.request_checks import request_error
 from engine_core.request_queue import make_request_queue
-from engine_core.sampled_tokens import sampled_rows
+from engine_core.sampled_tokens import check_stop, sampled_rows
 from engine_core.scheduler_stats import make_scheduler_stats
+from engine_core.spec_decode.drafting import SpecDecoding
 from protocol import (
     CachedRequestData,
     EngineCoreOutput,
@@ -41,6 +42,7 @@ from protocol import (
     block_ids_digest,
 )
 from protocol.config import EngineConfig
+from protocol.speculative import parse_speculative_config
 
 
 @dataclass(slots=True)
@@ -97,6 +99,8 @@ class Scheduler:
         self.num_usable_blocks = kv_cache_config.num_blocks - 1
         self.kv_connector = kv_connector  # a second KV tier (engine_core/kv_connector/), or None
         self.tier_loads = None if kv_connector is None else TierLoads(kv_connector, self.kv_cache_manager, self.waiting)
+        spec = config.scheduler.speculative_config  # n-gram drafts (engine_core/spec_decode/), or None
+        self.spec = None if spec is None else SpecDecoding(parse_speculative_config(spec))
         if config.scheduler.async_scheduling != self.async_scheduling:  # EngineCore picks the class by it
             raise ValueError(f"{type(self).__name__} cannot run with async_scheduling={self.async_scheduling}")
 
@@ -166,8 +170,8 @@ class Scheduler:
         while i < len(running) and state.token_budget > 0:
             request = running[i]
             placeholders = request.num_output_placeholders
-            if placeholders and request.num_computed_tokens + 1 >= self._length_limit(request):
-                i += 1  # async: the step in flight samples its last token
+            if placeholders and (self.spec is not None or request.num_computed_tokens + 1 >= self._length_limit(request)):
+                i += 1  # async: the step in flight samples its last token, or the next drafts start after it
                 continue
             num_new_tokens = len(request.all_token_ids) + placeholders - request.num_computed_tokens
             if 0 < threshold < num_new_tokens:
@@ -176,19 +180,28 @@ class Scheduler:
             if num_new_tokens <= 0:
                 i += 1
                 continue
-            blocks = allocate_slots(request, num_new_tokens)
+            num_drafts = len(self._draft(request, num_new_tokens, state.token_budget))
+            blocks = allocate_slots(request, num_new_tokens, num_lookahead_tokens=num_drafts)
             if blocks is None:
-                blocks, i = self._preempt_until_allocated(request, num_new_tokens, i, state)
+                blocks, i = self._preempt_until_allocated(request, num_new_tokens, num_drafts, i, state)
                 if blocks is None:
                     break  # it preempted itself: as in vLLM, no running request after it gets this step
+            num_new_tokens += num_drafts  # the drafts are computed in the lookahead slots this step
             state.scheduled_running_reqs.append(request)
             state.num_scheduled_tokens[request.request_id] = num_new_tokens
             state.req_to_new_blocks[request.request_id] = blocks
             state.token_budget -= num_new_tokens
             i += 1
 
+    def _draft(self, request: Request, num_new_tokens: int, token_budget: int) -> list[int]:
+        """A decoding request's n-gram drafts (engine_core/spec_decode/drafting.py), kept on it until its answer."""
+        if self.spec is None or num_new_tokens != 1 or request.num_output_placeholders:
+            return []
+        request.spec_token_ids = self.spec.draft(request, token_budget, self._length_limit(request))
+        return request.spec_token_ids
+
     def _preempt_until_allocated(
-        self, request: Request, num_new_tokens: int, i: int, state: _ScheduleState
+        self, request: Request, num_new_tokens: int, num_drafts: int, i: int, state: _ScheduleState
     ) -> tuple[KVCacheBlocks | None, int]:
         """Preempt until running[i] gets its slots; None if it had to preempt itself. Also its index afterwards."""
         blocks = None
@@ -204,7 +217,7 @@ class Scheduler:
             state.preempted_reqs.append(victim)
             if victim is request:
                 break
-            blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, num_lookahead_tokens=num_drafts)
         return blocks, i
 
     def _schedule_waiting(self, state: _ScheduleState, threshold: int) -> None:
@@ -270,6 +283,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_stale_output_tokens, request.num_output_placeholders = request.num_output_placeholders, 0
+        request.spec_token_ids = []  # its drafts are dropped with its blocks
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -308,6 +322,8 @@ class Scheduler:
             finished_req_ids=finished,
             preempted_req_ids=[r.request_id for r in preempted],
             block_table_digests=digests,
+            scheduled_spec_decode_tokens={r.request_id: r.spec_token_ids
+                                          for r in state.scheduled_running_reqs if r.spec_token_ids} or None,
         )
         return so if meta is None else KVSchedulerOutput(**msgspec.structs.asdict(so), kv_connector_metadata=meta)
 
@@ -348,9 +364,11 @@ class Scheduler:
             if not running:  # async: preempted while this step ran (stale), or an id taken since
                 if not request.num_stale_output_tokens:
                     continue
-                request.num_stale_output_tokens -= len(token_ids)
+                request.num_stale_output_tokens -= 1  # one step's answer, however many tokens
             if not request.output_token_ids:
                 self.num_prompt_tokens += request.num_prompt_tokens
+            if request.spec_token_ids and self.spec is not None:
+                self.spec.on_output(request, len(token_ids))  # rejected drafts: num_computed_tokens rolls back
             new_token_ids, status = update_request(request, token_ids)
             num_generated += len(new_token_ids)
             reason = None
@@ -371,26 +389,9 @@ class Scheduler:
     def _update_request_with_output(
         self, request: Request, token_ids: list[int]
     ) -> tuple[list[int], RequestStatus | None]:
-        """The tokens up to the first that finishes the request, appended in one call (one hashing pass)."""
-        params = request.sampling_params
-        stop_ids = request.stop_token_ids
-        eos_ids = () if params.ignore_eos else self.eos_token_ids
-        # The n-th token (from 1) reaches max_tokens or max_model_len when n >= limit.
-        limit = min(params.max_tokens - len(request.output_token_ids), self.max_model_len - len(request.all_token_ids))
-        status = None
-        n = 0
-        for token in token_ids:
-            n += 1
-            if token in stop_ids or token in eos_ids:
-                status = RequestStatus.FINISHED_STOPPED
-                break
-            if n >= limit:
-                status = RequestStatus.FINISHED_LENGTH_CAPPED
-                break
-        if status is None:
-            request.append_output_token_ids(token_ids)
-            return token_ids, None
-        new_token_ids = token_ids[:n]
+        """The tokens up to the first that finishes the request (those after it dropped), appended in one call."""
+        n, status = check_stop(request, token_ids, self.eos_token_ids, self.max_model_len)
+        new_token_ids = token_ids if n == len(token_ids) else token_ids[:n]
         request.append_output_token_ids(new_token_ids)
         return new_token_ids, status
 

@@ -23,7 +23,8 @@ def make_scheduler_stats(scheduler: "Scheduler") -> SchedulerStats:
         if r.num_computed_tokens % scheduler.block_size
     ]
     loading = scheduler.tier_loads
-    return SchedulerStats(
+    spec = scheduler.spec
+    stats = SchedulerStats(
         num_running_reqs=len(scheduler.running),
         num_waiting_reqs=len(scheduler.waiting) + (0 if loading is None else len(loading.requests)),
         kv_cache_usage=manager.get_usage(),
@@ -38,3 +39,8 @@ def make_scheduler_stats(scheduler: "Scheduler") -> SchedulerStats:
         num_generation_tokens=scheduler.num_generation_tokens,
         step=scheduler.step,
     )
+    if spec is not None:
+        stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
+        stats.spec_decode_num_accepted_tokens = spec.num_accepted_tokens
+        stats.spec_decode_num_accepted_tokens_per_pos = list(spec.accepted_per_pos)
+    return stats

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from protocol.speculative import parse_speculative_config
+
 DEFAULT_BLOCK_SIZE = 16
 API_KEY_ENV, ADMIN_API_KEY_ENV = "KVENGINE_API_KEY", "KVENGINE_ADMIN_API_KEY"  # as vLLM's VLLM_API_KEY
 
@@ -114,6 +116,16 @@ class SchedulerConfig(_Area, frozen=True):
     async_scheduling: Annotated[bool, setting(
         "schedule step N+1 while the workers run step N (vLLM's async scheduling): the engine core's work hides "
         "behind the forward; a request that stops is computed one step more, and that token is dropped")] = False
+    speculative_config: Annotated[str | None, setting(
+        "speculative decoding as vLLM's JSON object; kvengine runs n-gram drafting: "
+        '\'{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M}\' '
+        "(a decode step drafts up to K tokens: those that followed the earliest earlier occurrence of the request's "
+        "longest suffix of M..N tokens; verified in one forward; greedy output unchanged, sampled output with the "
+        "same distribution; prompt_lookup_min/max default to each other, or 5)")] = None
+
+    def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            parse_speculative_config(self.speculative_config)  # a bad key or value fails at start-up, by name
 
 
 class ParallelConfig(_Area, frozen=True):

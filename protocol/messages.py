@@ -106,6 +106,12 @@ class SchedulerStats(msgspec.Struct, **_struct):
     step: int = 0
     # --data-parallel-size > 1: the router answers the sum over the engine cores, and each one's here, by index
     engines: "list[SchedulerStats] | None" = None
+    # --speculative-config: steps that verified a request's drafts, draft tokens, accepted ones, and accepted ones
+    # by draft position (vLLM's spec_decode counters)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
 
 class EngineInfo(msgspec.Struct, **_struct):
@@ -163,6 +169,8 @@ class SchedulerOutput(msgspec.Struct, tag=True, **_struct):
     preempted_req_ids: list[str] = []
     # --check-block-tables: per scheduled request, block_ids_digest of its whole block list
     block_table_digests: dict[str, bytes] | None = None
+    # --speculative-config: per request with drafts, its draft tokens; num_scheduled_tokens counts them too (vLLM's)
+    scheduled_spec_decode_tokens: dict[str, list[int]] | None = None
 
 
 class KVSchedulerOutput(SchedulerOutput, tag=True, **_struct):

@@ -28,6 +28,17 @@ def reference_next_token(token_ids: list[int], vocab_size: int) -> int:
     return (token_ids[-1] * 31 + len(token_ids) * 7 + 3) % vocab_size
 
 
+def _accept(tokens: list[int], draft: list[int], vocab_size: int) -> list[int]:
+    """The leading drafts equal to the reference tokens, appended to tokens (n-gram speculative decoding)."""
+    accepted = []
+    for t in draft:
+        if t != reference_next_token(tokens, vocab_size):
+            break
+        tokens.append(t)
+        accepted.append(t)
+    return accepted
+
+
 class ReferenceExecutor(InlineExecutor):
     def __init__(
         self,
@@ -70,20 +81,24 @@ class ReferenceExecutor(InlineExecutor):
         token_ids, num_computed_tokens = self.token_ids, self.num_computed_tokens
         vocab_size = self.vocab_size
         allowed = self._allowed_rows(so, grammar)
+        drafts = so.scheduled_spec_decode_tokens or {}
         sampled: list[list[int]] = []
         for req_id, num_tokens in so.num_scheduled_tokens.items():
             tokens = token_ids[req_id]
-            computed = num_computed_tokens[req_id] + num_tokens
-            num_computed_tokens[req_id] = computed
+            draft = drafts.get(req_id, [])
+            computed = num_computed_tokens[req_id] + num_tokens - len(draft)
             if computed == len(tokens):
+                accepted = _accept(tokens, draft, vocab_size)  # greedy verification: the drafts it would sample
+                computed += len(accepted)
                 token = reference_next_token(tokens, vocab_size)
                 if req_id in allowed:
                     ids = allowed[req_id]
                     token = int(ids[np.searchsorted(ids, token) % len(ids)])
                 tokens.append(token)
-                sampled.append([token])
+                sampled.append([*accepted, token])
             else:
                 sampled.append([])
+            num_computed_tokens[req_id] = computed
         return ModelRunnerOutput(step=so.step, req_ids=list(so.num_scheduled_tokens), sampled_token_ids=sampled)
 
     def _update_state(self, so: SchedulerOutput) -> None:

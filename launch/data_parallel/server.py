@@ -12,6 +12,7 @@ as clients of the router; its /metrics and --metrics-port show every engine's me
 `engine` label.
 """
 
+import itertools
 import logging
 import os
 import shutil
@@ -19,6 +20,7 @@ import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import zmq
@@ -80,9 +82,12 @@ def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     """Counters and gauges summed over the engines; KV usage averaged (every engine has the same pool)."""
     if not stats:
         return SchedulerStats()
-    fields = {name: sum(getattr(s, name) for s in stats) for name in SchedulerStats.__struct_fields__
-              if name != "engines"}
-    fields["kv_cache_usage"] = fields["kv_cache_usage"] / len(stats)
+    per_pos = "spec_decode_num_accepted_tokens_per_pos"  # summed position by position
+    fields: dict[str, Any] = {name: sum(getattr(s, name) for s in stats) for name in SchedulerStats.__struct_fields__
+                                 if name not in ("engines", per_pos)}
+    fields["kv_cache_usage"] = sum(s.kv_cache_usage for s in stats) / len(stats)
+    fields[per_pos] = [sum(column) for column in itertools.zip_longest(*(getattr(s, per_pos) for s in stats),
+                                                                        fillvalue=0)]
     return SchedulerStats(**fields)
 
 

@@ -1,0 +1,1 @@
+"""Speculative decoding in the engine core: n-gram drafts, their scheduling and their statistics."""
