@@ -135,9 +135,11 @@ class ParallelConfig(_Area, frozen=True):
         "worker processes, one per GPU (gloo on CPU, NCCL on CUDA)", aliases=["-tp"])] = 1
     device: Annotated[Literal["cpu", "cuda"], setting("where the workers run")] = "cpu"
     cpu_threads_bind: Annotated[str, setting(
-        "CPU workers: the cores of each rank's torch threads. auto: from this process's CPU affinity mask, one core "
-        "left to the engine core when there are more than tp, the rest split evenly among the ranks; nobind: "
-        "no pinning, mask size / tp threads; or one core list per rank, e.g. 0-1|2-3 (as VLLM_CPU_OMP_THREADS_BIND)")
+        "CPU workers: the cores of each rank's torch threads. auto: this process's CPU affinity mask split evenly "
+        "among the ranks (none left to the engine core, idle while the workers compute), one torch thread per core "
+        "while the cores are free and one fewer per core another process keeps busy (a thread sharing a core "
+        "stalls the others at every barrier); nobind: no pinning, mask size / tp threads; or one core list per "
+        "rank, e.g. 0-1|2-3 (as VLLM_CPU_OMP_THREADS_BIND), a fixed thread per core")
     ] = "auto"
     step_timeout: Annotated[float, Meta(ge=0), setting(
         "seconds to wait for the workers to answer one step before the engine names the rank that hangs, "

@@ -24,6 +24,7 @@ from protocol.process.signals import STOP_SIGNALS
 from protocol.process.worker_config import WorkerConfig
 
 if TYPE_CHECKING:
+    from worker.cpu_threads import ThreadGovernor
     from worker.worker import Worker
 
 logger = logging.getLogger("kvengine.worker")
@@ -49,7 +50,7 @@ def main() -> int:
     try:
         worker = start_worker(config)
         sock.send(to_engine.encode(msgspec.structs.replace(worker.report_kv(), host=config.host)))
-        return serve(worker, config.rank, sock, parent)
+        return serve(worker, config.rank, sock, parent, thread_governor(config, parent))
     except Exception as e:  # noqa: BLE001 -- any failure is reported to the engine core before exiting
         logger.error("Worker failed: %s", e)
         sock.send(to_engine.encode(WorkerError(config.rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
@@ -75,8 +76,17 @@ def start_worker(config: WorkerConfig) -> "Worker":
     return Worker(config.engine, config.rank, config.dist_init_method)
 
 
-def serve(worker: "Worker", rank: int, sock: zmq.Socket, parent: int) -> int:
-    """Execute the engine core's messages in order until Shutdown (0) or the engine core is gone (1)."""
+def thread_governor(config: WorkerConfig, parent: int) -> "ThreadGovernor | None":
+    if not config.adapt_threads:
+        return None
+    from worker.cpu_threads import ThreadGovernor
+
+    return ThreadGovernor(config.cpu_cores or sorted(os.sched_getaffinity(0)), parent)
+
+
+def serve(worker: "Worker", rank: int, sock: zmq.Socket, parent: int, governor: "ThreadGovernor | None" = None) -> int:
+    """Execute the engine core's messages in order until Shutdown (0) or the engine core is gone (1); the governor
+    sets the torch threads between steps."""
     to_engine, from_engine = worker_to_engine_codec(), engine_to_worker_codec()
     while True:
         if not sock.poll(PARENT_CHECK_MS):
@@ -90,6 +100,8 @@ def serve(worker: "Worker", rank: int, sock: zmq.Socket, parent: int) -> int:
             logger.error("Dropped a malformed message: %s", e)
             continue
         if isinstance(msg, SchedulerOutput):
+            if governor is not None:
+                governor.tick()
             output = worker.execute_model(msg, functools.partial(next_grammar, sock, from_engine, msg.step, parent))
             if rank == 0:
                 sock.send(to_engine.encode(output))

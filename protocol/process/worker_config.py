@@ -17,6 +17,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     dist_init_method: str
     torch_threads: int = 1
     cpu_cores: list[int] | None = None  # the worker pins itself to these cores; None: not pinned
+    adapt_threads: bool = False  # fewer torch threads while other processes hold its cores (worker/cpu_threads.py)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)  # the same for every rank of a host
     host: str = ""  # several hosts: this host's label (protocol/process/hosts.py), reported with the KV budget
 
@@ -41,7 +42,8 @@ def worker_configs(config: EngineConfig, engine_address: str, dist_init_method: 
             logger.info("rank %d: %d threads %s", rank, n, where)
     return [
         WorkerConfig(rank=rank, engine_address=engine_address, dist_init_method=dist_init_method,
-                     torch_threads=threads[i], cpu_cores=cores[i], engine=config, host=host)
+                     torch_threads=threads[i], cpu_cores=cores[i], engine=config, host=host,
+                     adapt_threads=config.parallel.device == "cpu" and config.parallel.cpu_threads_bind == "auto")
         for i, rank in enumerate(ranks)
     ]
 
@@ -55,17 +57,17 @@ def cpu_threads(bind: str, tp: int, usable: list[int]) -> tuple[list[int], list[
 
 
 def auto_binding(usable: list[int], tp: int) -> list[list[int]]:
-    """The first core is left to the engine core (and a local client) when every rank still gets one, the rest
-    split evenly (equal shares: TP ranks wait for each other). With fewer cores than ranks, ranks share cores.
+    """The cores split evenly among the ranks (equal shares: TP ranks wait for each other); with fewer cores than
+    ranks, ranks share cores. No core is left to the engine core: it is idle while the workers compute, and the
+    workers run fewer threads while another process holds their cores (worker/cpu_threads.py).
 
-    Measured on 2 cores, TP 1 (kvengine bench, medians): 1 thread on core 1 gave 780 tok/s quiet and 841 with
-    one core busy elsewhere; 2 threads gave 1125 pinned / 935 unpinned quiet, but 30 / 28 busy (OpenMP threads
-    wait at every barrier for the one that shares its core)."""
+    Measured on 2 cores (docs/benchmarks.md): leaving a core to the engine core gave 0.6-0.7x of both cores on
+    a SmolLM2-360M-shaped model; both cores with a fixed thread count fell to 0.05x once another process took
+    a core."""
     if len(usable) < tp:
         return [[usable[rank % len(usable)]] for rank in range(tp)]
-    rest = usable[1:] if len(usable) > tp else usable
-    share = len(rest) // tp
-    return [rest[rank * share:(rank + 1) * share] for rank in range(tp)]
+    share = len(usable) // tp
+    return [usable[rank * share:(rank + 1) * share] for rank in range(tp)]
 
 
 def parse_binding(text: str, tp: int, usable: list[int]) -> list[list[int]]:

@@ -16,12 +16,12 @@ USABLE = sorted(os.sched_getaffinity(0))
 
 
 @pytest.mark.parametrize(("cores", "tp", "expected"), [
-    (8, 1, [[1, 2, 3, 4, 5, 6, 7]]),  # one core left to the engine core
-    (8, 2, [[1, 2, 3], [4, 5, 6]]),  # equal shares: the odd core stays free
-    (4, 2, [[1], [2]]),
-    (3, 2, [[1], [2]]),
-    (2, 1, [[1]]),  # measured best on 2 cores, by far once another process takes a core
-    (2, 2, [[0], [1]]),  # no core to spare: every core goes to a rank
+    (8, 1, [[0, 1, 2, 3, 4, 5, 6, 7]]),  # every core to the rank; its threads give way to other processes
+    (8, 2, [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    (8, 3, [[0, 1], [2, 3], [4, 5]]),  # equal shares: the odd cores stay free
+    (3, 2, [[0], [1]]),
+    (2, 1, [[0, 1]]),  # measured best on 2 cores idle (0.6-0.7x with one core left to the engine core)
+    (2, 2, [[0], [1]]),
     (1, 2, [[0], [0]]),  # fewer cores than ranks: they share
     (3, 4, [[0], [1], [2], [0]]),
 ])
@@ -30,7 +30,16 @@ def test_auto_binding(cores, tp, expected):
 
 
 def test_auto_binding_follows_the_mask_not_the_core_numbers():
-    assert auto_binding([4, 5, 9, 10], 1) == [[5, 9, 10]]
+    assert auto_binding([4, 5, 9, 10], 1) == [[4, 5, 9, 10]]
+
+
+def test_only_auto_adapts_the_thread_count():
+    [auto] = worker_configs(engine_config(), "ipc://x", "")
+    assert auto.adapt_threads and auto.torch_threads == len(USABLE)
+    [fixed] = worker_configs(engine_config(cpu_threads_bind=str(USABLE[0])), "ipc://x", "")
+    [nobind] = worker_configs(engine_config(cpu_threads_bind="nobind"), "ipc://x", "")
+    [cuda] = worker_configs(engine_config(device="cuda"), "ipc://x", "")
+    assert not (fixed.adapt_threads or nobind.adapt_threads or cuda.adapt_threads)
 
 
 def test_explicit_core_lists():

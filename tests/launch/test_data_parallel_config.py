@@ -8,10 +8,10 @@ from protocol.config import engine_config
 
 def test_auto_binding_splits_the_cores_among_the_engines():
     assert engine_cpu_binds(engine_config(data_parallel_size=2), [0, 1]) == ["0", "1"]
-    # 8 cores, DP 2: each engine keeps its first core for its engine core, as one engine would
-    assert engine_cpu_binds(engine_config(data_parallel_size=2), list(range(8))) == ["1-3", "5-7"]
+    # 8 cores, DP 2: each engine binds its ranks in its share as one engine would in all of them
+    assert engine_cpu_binds(engine_config(data_parallel_size=2), list(range(8))) == ["0-3", "4-7"]
     assert engine_cpu_binds(engine_config(data_parallel_size=2, tensor_parallel_size=2), list(range(8))) == \
-        ["1|2", "5|6"]
+        ["0-1|2-3", "4-5|6-7"]
     assert engine_cpu_binds(engine_config(data_parallel_size=3), [0, 1]) == ["0", "1", "0"]  # fewer cores: shared
     assert engine_cpu_binds(engine_config(data_parallel_size=2, cpu_threads_bind="nobind"), [0, 1]) == ["nobind"] * 2
 
