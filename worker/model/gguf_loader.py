@@ -1,14 +1,20 @@
-"""GGUF checkpoints (optional extra `gguf`): config from metadata, weights dequantised at load and renamed to the
-Hugging Face names, undoing what llama.cpp's conversion changed (Llama's interleaved Q/K rows, Gemma's norm
+"""GGUF checkpoints (optional extra `gguf`): config from metadata, weights renamed to the Hugging Face names (the
+linear layers' Q8_0, Q4_0, Q4_1 and Q4_K weights kept as their blocks, worker/model/gguf_quant.py; everything else,
+and everything with keep_quantized False, dequantised to float32 at load), undoing what llama.cpp's conversion changed (Llama's interleaved Q/K rows, Gemma's norm
 weights stored with their 1 added, MoE experts stacked in one tensor); Llama 3.1's rope_freqs is read as the rope
 scaling of the config, not as a weight."""
 
+import logging
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from protocol.model.gguf_meta import field, gguf_config, open_gguf
+from worker.model.gguf_quant import KEPT, GGUFQuantTensor
+
+log = logging.getLogger(__name__)
 
 _NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -32,6 +38,7 @@ _GEMMA_NAMES = {  # Gemma's four norms a layer
 }
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LINEAR = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", *_EXPERTS}
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -64,13 +71,31 @@ def hf_tensors(name: str, data: np.ndarray, cfg: dict, arch: str) -> dict[str, n
     return {f"{prefix}.{names[kind]}.{suffix}": data}
 
 
-def load_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+def load_gguf(path: str | Path,
+              keep_quantized: bool = True) -> tuple[dict, dict[str, torch.Tensor | GGUFQuantTensor]]:
+    """Config and weights; the embedding and LM head are dequantized (they stay dense in the model)."""
     gguf, reader = open_gguf(path)
     cfg = gguf_config(reader)
     arch = field(reader, "general.architecture")
-    weights = {}
+    weights: dict[str, torch.Tensor | GGUFQuantTensor] = {}
+    kept: Counter[str] = Counter()
+    dense: Counter[str] = Counter()
     for t in reader.tensors:
+        qtype = t.tensor_type.name
+        parts = t.name.split(".")
+        if keep_quantized and qtype in KEPT and parts[0] == "blk" and parts[2] in _LINEAR:
+            kept[qtype] += 1
+            for name, value in hf_tensors(t.name, np.asarray(t.data), cfg, arch).items():
+                weights[name] = GGUFQuantTensor(name, qtype, np.ascontiguousarray(value))
+            continue
+        dense[qtype] += 1
         data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         for name, value in hf_tensors(t.name, data, cfg, arch).items():
             weights[name] = torch.from_numpy(np.ascontiguousarray(value))
+    log.info("%s: %s tensors stay quantized (%s); %s dequantized at load (%s)", Path(path).name, kept.total(),
+             _counts(kept), dense.total(), _counts(dense))
     return cfg, weights
+
+
+def _counts(by_type: Counter[str]) -> str:
+    return ", ".join(f"{name}: {n}" for name, n in sorted(by_type.items())) or "none"

@@ -6,6 +6,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from worker.model.linear_method import DenseLinear, make_linear
 from worker.model.weights import WeightSource
 from worker.parallel import TPGroup, shard_range
 
@@ -70,34 +71,38 @@ def fused(name: str, sizes: list[int]) -> list[Part]:
 
 class ColumnParallelLinear:
     """Output features split across ranks; each part (a weight, or rows of a fused one) split on its own, the
-    rank's shards concatenated along the output dim."""
+    rank's shards stacked along the output dim into one linear (worker/model/linear_method.py)."""
 
     def __init__(self, src: WeightSource, parts: list[Part], tp: TPGroup, bias: bool, **to):
         weights, biases = [], []
         for name, first, size in parts:
             start, end = shard_range(size, tp.rank, tp.size)
-            weights.append(src.read(f"{name}.weight", 0, first + start, first + end))
+            weights.append(src.read_linear(f"{name}.weight", 0, first + start, first + end))
             if bias:
                 biases.append(src.read(f"{name}.bias", 0, first + start, first + end))
-        self.weight = torch.cat(weights).to(**to)
-        self.bias = torch.cat(biases).to(**to) if bias else None
+        self.linear = make_linear(weights, torch.cat(biases) if bias else None, src.quantization, **to)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x)
 
 
 class RowParallelLinear:
     """Input features split across ranks; partial outputs summed with an all-reduce, then the bias added."""
 
     def __init__(self, src: WeightSource, name: str, size_in: int, tp: TPGroup, bias: bool = False, **to):
-        start, end = shard_range(size_in, tp.rank, tp.size)
-        self.weight = src.read(f"{name}.weight", 1, start, end).to(**to)
+        self.linear = make_linear([row_shard(src, name, size_in, tp)], None, src.quantization, **to)
         self.bias = src.read(f"{name}.bias").to(**to) if bias else None
         self.tp = tp
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = self.tp.all_reduce(self.linear(x))
         return out if self.bias is None else out + self.bias
+
+
+def row_shard(src: WeightSource, name: str, size_in: int, tp: TPGroup):
+    """This rank's input columns of weight `name` (a quantized one split on block boundaries, or refused)."""
+    start, end = shard_range(size_in, tp.rank, tp.size)
+    return src.read_linear(f"{name}.weight", 1, start, end)
 
 
 class VocabParallelEmbedding:
@@ -110,6 +115,14 @@ class VocabParallelEmbedding:
         rows = src.read(name, 0, self.start, end).to(**to)
         self.weight = torch.cat([rows, rows.new_zeros(per - rows.shape[0], rows.shape[1])])
         self.vocab_size, self.tp = vocab_size, tp
+        self.head: DenseLinear | None = None
+
+    def as_lm_head(self) -> "VocabParallelEmbedding":
+        """This one only multiplies (never looked up): its weight becomes the packed copy of the dense matmul.
+        The LM head stays dense, also for a GGUF file whose other weights stay quantized."""
+        self.head = DenseLinear(self.weight, None)
+        self.weight = self.head.weight
+        return self
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -121,5 +134,5 @@ class VocabParallelEmbedding:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary logits on rank 0 (None elsewhere), as a vocab-parallel LM head."""
-        full = self.tp.gather_last_dim(F.linear(h, self.weight))
+        full = self.tp.gather_last_dim(F.linear(h, self.weight) if self.head is None else self.head(h))
         return None if full is None else full[..., : self.vocab_size]

@@ -61,7 +61,7 @@ class LlamaModel:
         head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         if not cfg.tie_word_embeddings and not src.has(head_name):
             head_name = "model.embed_tokens.weight"  # some checkpoints tie without saying so
-        self.lm_head = VocabParallelEmbedding(src, head_name, cfg.vocab_size, tp, **to)
+        self.lm_head = VocabParallelEmbedding(src, head_name, cfg.vocab_size, tp, **to).as_lm_head()
 
     @property
     def kv_heads_per_rank(self) -> int:

@@ -18,19 +18,27 @@ from worker.parallel import TPGroup
 log = logging.getLogger(__name__)
 
 
-def load_config_and_weights(model: str | None) -> tuple[dict, WeightSource]:
+def load_config_and_weights(model: str | None, quantization: str | None = None) -> tuple[dict, WeightSource]:
+    """quantization: --quantization (None: as the checkpoint is), checked against the kind of model."""
+    gguf = model is not None and Path(model).suffix == ".gguf"
+    if quantization == "gguf" and not gguf:
+        raise ValueError("--quantization gguf is for a .gguf model; a Hugging Face folder takes rtn or none")
+    if quantization == "rtn" and gguf:
+        raise ValueError("--quantization rtn quantizes a Hugging Face folder's weights; a .gguf model takes gguf "
+                         "(its quantized weights kept) or none (dequantized)")
+    dense = "rtn" if quantization == "rtn" else None
     if model is None:
         raw = tiny_config()
-        return raw, WeightSource(tensors=random_weights(raw))
+        return raw, WeightSource(tensors=random_weights(raw), quantization=dense)
     path = Path(model)
-    if path.suffix == ".gguf":
+    if gguf:
         from worker.model.gguf_loader import load_gguf
 
-        raw, tensors = load_gguf(path)
+        raw, tensors = load_gguf(path, keep_quantized=quantization != "none")
         return raw, WeightSource(tensors=tensors)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{model}: expected a folder with config.json and *.safetensors, or a .gguf file")
-    return read_config(path), WeightSource(folder=path)
+    return read_config(path), WeightSource(folder=path, quantization=dense)
 
 
 @dataclass
@@ -58,12 +66,16 @@ class LoadedModel:
                           native.layout)
 
 
-def load_model(model: str | None, tp_size: int, model_impl: str = "auto") -> LoadedModel:
+def load_model(model: str | None, tp_size: int, model_impl: str = "auto",
+               quantization: str | None = None) -> LoadedModel:
     """Config and weight source, the implementation chosen (auto: native where there is one), refusing a TP size
     that does not divide the head counts."""
-    raw, src = load_config_and_weights(model)
+    raw, src = load_config_and_weights(model, quantization)
     arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
     if model_impl == "transformers" or (model_impl == "auto" and arch not in NATIVE):
+        if quantization == "rtn":
+            raise ValueError(f"--quantization rtn needs the native implementation; {arch} is served by "
+                             "--model-impl transformers here")
         if model is None or Path(model).suffix == ".gguf":
             what = "the built-in model" if model is None else "a GGUF file"
             raise ValueError(f"--model-impl transformers serves a Hugging Face folder, not {what}")

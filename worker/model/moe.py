@@ -13,25 +13,25 @@ import torch
 import torch.nn.functional as F
 
 from protocol.model.config import ModelConfig
-from worker.model.layers import act_and_mul
+from worker.model.layers import ColumnParallelLinear, act_and_mul, row_shard, separate
 from worker.model.layout import Layout
+from worker.model.linear_method import make_linear
 from worker.model.weights import WeightSource
-from worker.parallel import TPGroup, shard_range
+from worker.parallel import TPGroup
 
 
 class SparseMoE:
     def __init__(self, cfg: ModelConfig, src: WeightSource, prefix: str, tp: TPGroup, ops: ModuleType | None,
                  layout: Layout, **to):
         self.router = src.read(f"{prefix}.gate.weight").to(**to)  # [experts, hidden], on every rank
-        start, end = shard_range(cfg.moe_intermediate_size, tp.rank, tp.size)
+        inter = cfg.moe_intermediate_size
         gate, up, down = layout.expert_names
-        w13, w2 = [], []
-        for e in range(cfg.num_experts):
-            p = f"{prefix}.experts.{e}"
-            rows = [src.read(f"{p}.{name}.weight", 0, start, end) for name in (gate, up)]
-            w13.append(torch.cat(rows).to(**to))
-            w2.append(src.read(f"{p}.{down}.weight", 1, start, end).to(**to))
-        self.w13, self.w2 = torch.stack(w13), torch.stack(w2)  # [experts, 2 * inter / tp, hidden], [.., hidden, ..]
+        experts = [f"{prefix}.experts.{e}" for e in range(cfg.num_experts)]
+        # per expert: gate and up rows [2 * inter / tp, hidden], down columns [hidden, inter / tp]
+        self.w13 = [ColumnParallelLinear(src, separate([f"{p}.{gate}", f"{p}.{up}"], [inter, inter]), tp, False, **to)
+                    for p in experts]
+        self.w2 = [make_linear([row_shard(src, f"{p}.{down}", inter, tp)], None, src.quantization, **to)
+                   for p in experts]
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.act, self.ops, self.tp = cfg.hidden_act, ops, tp
 
@@ -48,14 +48,14 @@ class SparseMoE:
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         rows = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=len(self.w13)).tolist()
         gathered = x.index_select(0, rows)
         outputs = torch.empty_like(gathered)
         start = 0
         for e, n in enumerate(counts):
             if n:
-                h = act_and_mul(F.linear(gathered[start : start + n], self.w13[e]), self.act, self.ops)
-                outputs[start : start + n] = F.linear(h, self.w2[e])
+                h = act_and_mul(self.w13[e](gathered[start : start + n]), self.act, self.ops)
+                outputs[start : start + n] = self.w2[e](h)
                 start += n
         outputs *= weights.flatten().index_select(0, order).unsqueeze(1)
         return self.tp.all_reduce(torch.zeros_like(x).index_add_(0, rows, outputs))

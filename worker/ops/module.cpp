@@ -18,4 +18,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotate-half RoPE of q and k in place", py::arg("q"), py::arg("k"), py::arg("positions"),
         py::arg("cos"), py::arg("sin"), nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :n]) * x[..., n:]", py::arg("x"), nogil);
+  m.def("int8_group_linear", &int8_group_linear, "x @ (q * group scales).T, int8 weights read once",
+        py::arg("x"), py::arg("q"), py::arg("scale"), nogil);
 }

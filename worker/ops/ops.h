@@ -19,3 +19,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps);
 void rotary(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
+
+// Weight-only int8 matmul, x [m, k] by q [n, k] int8 with a float32 scale per group of k / scale.size(1) inputs
+// (quant_matmul.cpp).
+at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
