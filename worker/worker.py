@@ -76,7 +76,7 @@ class Worker:
         self.block_size = config.cache.block_size
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.kv_cache_memory_bytes = config.kv_cache_memory_bytes_of(rank)
-        loaded = load_model(config.model.model, tp_size, config.model.model_impl)
+        loaded = load_model(config.model.model, tp_size, config.model.model_impl, config.model.quantization)
         self.max_model_len = config.model.max_model_len or loaded.cfg.max_position_embeddings
         self.tp = TPGroup.init(rank, tp_size, self.device, dist_init_method)
         weights_before = self._allocated()
