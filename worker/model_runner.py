@@ -18,6 +18,7 @@ from worker.model.base import CausalLM
 from worker.prompt_logprobs import PromptLogprobs
 from worker.sampler import sample, token_logprobs
 from worker.sampling_state import SamplingState
+from worker.spec_decode import verify_drafts
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class ModelRunner:
         self._null_out_of_window(batch)
         if so.block_table_digests is not None or self.check_block_tables:
             self._verify_tables(so, batch)
-        sampled, logprobs = self._run(batch, so.num_scheduled_tokens, grammar)
+        sampled, logprobs = self._run(batch, so.num_scheduled_tokens, grammar, so.scheduled_spec_decode_tokens or {})
         return ModelRunnerOutput(step=so.step, req_ids=[r for r, _ in batch], sampled_token_ids=sampled,
                                  logprobs=logprobs, prompt_logprobs=self.prompt_logprobs.take(batch, sampled))
 
@@ -139,18 +140,23 @@ class ModelRunner:
                     skipped = num_skipped_blocks(nc, window, kv.block_size)
                     kv.tables.groups[g].null_skipped(kv.tables.rows[req_id], skipped)
 
-    def _run(self, batch: list[tuple[str, int]], num_scheduled: dict[str, int],
-             grammar: GrammarSource | None = None) -> tuple[list[list[int]], list[TokenLogprobs | None] | None]:
+    def _run(self, batch: list[tuple[str, int]], num_scheduled: dict[str, int], grammar: GrammarSource | None = None,
+             drafts: dict[str, list[int]] | None = None) -> tuple[list[list[int]], list[TokenLogprobs | None] | None]:
+        """drafts: per request, n-gram draft tokens after its known ones (counted in num_scheduled), to verify."""
         kv = self.kv
         ids, counts, computed, samplers = [], [], [], []
+        drafts = drafts or {}
         for i, (req_id, nc) in enumerate(batch):
             state, n = self.requests[req_id], num_scheduled[req_id]
-            if nc + n > len(state.token_ids):
-                raise ValueError(f"{req_id}: {nc}+{n} scheduled tokens but only {len(state.token_ids)} known")
-            ids += state.token_ids[nc : nc + n]
+            draft = drafts.get(req_id, [])
+            known = n - len(draft)
+            if nc + known > len(state.token_ids):
+                raise ValueError(f"{req_id}: {nc}+{known} scheduled tokens but only {len(state.token_ids)} known")
+            ids += state.token_ids[nc : nc + known]
+            ids += draft
             counts.append(n)
             computed.append(nc)
-            if nc + n == len(state.token_ids):
+            if nc + known == len(state.token_ids):
                 samplers.append(i)
         num_tokens = len(ids)
         rows = [kv.tables.rows[r] for r, _ in batch]
@@ -166,7 +172,10 @@ class ModelRunner:
             hidden = self._forward(num_padded_tokens, metas, num_tokens if bucket is None else bucket)
         if self.prompt_logprobs.pending:
             self.prompt_logprobs.collect(self._logits, hidden[:num_tokens], batch, counts)
-        result = self._sample(batch, hidden[:num_tokens], samplers, grammar)
+        if drafts:
+            result = self._sample_with_drafts(batch, hidden[:num_tokens], samplers, drafts, grammar)
+        else:
+            result = self._sample(batch, hidden[:num_tokens], samplers, grammar)
         kv.buffers.record_copies()
         return result
 
@@ -217,6 +226,27 @@ class ModelRunner:
         for i, t in zip(samplers, self.tp.broadcast(token_ids).tolist(), strict=True):
             self.requests[batch[i][0]].token_ids.append(t)
             out[i] = [t]
+        return out, logprobs
+
+    def _sample_with_drafts(self, batch, hidden, samplers: list[int], drafts: dict[str, list[int]],
+                            grammar: GrammarSource | None) -> tuple[list[list[int]], list[TokenLogprobs | None] | None]:
+        """_sample for a step that verifies drafts: a drafting request's logits at its last 1 + len(drafts) rows go
+        through the rejection sampler (worker/rejection_sampler.py), the others sample as usual; rank 0 decides
+        and broadcasts each request's tokens (-1 padded to one width) to the other ranks."""
+        buf = self.kv.buffers
+        ends = (buf.query_start.np[: len(batch)] + buf.num_scheduled.np[: len(batch)]).tolist()
+        lists = [drafts.get(batch[i][0], []) for i in samplers]
+        rows = [r for i, d in zip(samplers, lists, strict=True) for r in range(ends[i] - 1 - len(d), ends[i])]
+        logits = self._logits(hidden.index_select(0, torch.tensor(rows, device=hidden.device)))
+        width = 1 + max(map(len, lists))
+        tokens = torch.full((len(samplers), width), -1, dtype=torch.long, device=hidden.device)
+        logprobs: list[TokenLogprobs | None] | None = None
+        if logits is not None:
+            logprobs = verify_drafts(self, logits, samplers, lists, batch, grammar, tokens)
+        out: list[list[int]] = [[] for _ in batch]
+        for i, row in zip(samplers, self.tp.broadcast(tokens).tolist(), strict=True):
+            out[i] = [t for t in row if t >= 0]
+            self.requests[batch[i][0]].token_ids += out[i]
         return out, logprobs
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -203,6 +203,11 @@ class SamplingState:
                 self.recent[r_np, :-1] = self.recent[r_np, 1:]
                 self.recent[r_np, -1] = token_ids.cpu().numpy()[watched]
 
+    def record_drafted(self, rows: np.ndarray, counts: np.ndarray) -> None:
+        """Rows that verified drafts gave counts tokens each; they have no penalties, bad words or seeds
+        (engine_core/spec_decode/drafting.py), so only their output counts move."""
+        self.num_output[rows] += counts
+
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
 

@@ -110,17 +110,18 @@ def run_engine(engine: EngineCore, waves: list[list[list[int]]], params=GREEDY) 
     return outs
 
 
-def preempting_waves(folder, num_blocks: int, **settings) -> tuple[list[int], list[list[int]], SchedulerStats]:
+def preempting_waves(folder, num_blocks: int, params=GREEDY, make_executor=InProcExecutor,
+                     **settings) -> tuple[list[int], list[list[int]], SchedulerStats]:
     """Two waves through an in-process engine whose small pool forces preemption and whose second wave hits the
-    first's prefixes: (the prompts, greedy outputs, stats)."""
+    first's prefixes: (the prompts, outputs (greedy by default), stats). make_executor: config -> the executor."""
     first = prompts([70, 45, 33, 52, 20, 64], seed=4)
     second = [first[0][:48] + [9, 9], first[3] + [1, 2, 3]]
     config = engine_config(dtype="float32", model=str(folder), max_model_len=96, max_num_seqs=8,
                            max_num_batched_tokens=48, kv_cache_memory_bytes=[1 << 24],
                            num_gpu_blocks_override=num_blocks, check_block_tables=True, **settings)
-    engine = EngineCore(config, InProcExecutor(config))
+    engine = EngineCore(config, make_executor(config))
     try:
-        return first + second, run_engine(engine, [first, second]), engine.get_stats()
+        return first + second, run_engine(engine, [first, second], params), engine.get_stats()
     finally:
         engine.shutdown()
 
