@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 
 from engine_core.kv_connector.metrics import KVTierMetrics
 from engine_core.safe_log import safe_for_log
+from engine_core.spec_decode.metrics import SpecDecodeMetrics
 from engine_core.vllm_metrics import VllmMetrics
 from protocol import EngineCoreOutput, SchedulerStats
 from protocol.kv_transfer import KVTierStats
@@ -58,6 +59,7 @@ class EngineMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self._last = SchedulerStats()
         self.tiers: KVTierMetrics | None = None  # made with the first second tier's stats: no tier, no series
+        self.spec: SpecDecodeMetrics | None = None  # likewise, with the first stats of --speculative-config
         self._arrival: dict[str, float] = {}
         self._last_token: dict[str, float] = {}
         self.server: MetricsServer | None = None
@@ -90,6 +92,10 @@ class EngineMetrics:
         ):
             counter.inc(delta)
             vllm_counter.inc(delta)
+        if self.spec is None and stats.spec_decode_num_accepted_tokens_per_pos:
+            self.spec = SpecDecodeMetrics(self.registry, self.vllm.labels, len(stats.spec_decode_num_accepted_tokens_per_pos))
+        if self.spec is not None:
+            self.spec.update(stats, last)
         self._last = stats
 
     def update_tier_stats(self, tiers: list[KVTierStats]) -> None:

@@ -32,5 +32,16 @@ def format_stats_line(now: SchedulerStats, before: SchedulerStats, seconds: floa
         f"Avg generation throughput: {(now.num_generation_tokens - before.num_generation_tokens) / seconds:.1f} "
         f"tokens/s, Running: {now.num_running_reqs} reqs, Waiting: {now.num_waiting_reqs} reqs, "
         f"KV cache usage: {now.kv_cache_usage:.1%}, Prefix cache hit rate: {hits / queries if queries else 0:.1%}, "
-        f"Preemptions: {now.num_preemptions - before.num_preemptions}"
+        f"Preemptions: {now.num_preemptions - before.num_preemptions}{_spec_decode(now, before)}"
     )
+
+
+def _spec_decode(now: SchedulerStats, before: SchedulerStats) -> str:
+    """--speculative-config: the interval's draft acceptance rate and tokens per verifying step (vLLM's figures)."""
+    if not now.spec_decode_num_accepted_tokens_per_pos:
+        return ""
+    drafts = now.spec_decode_num_drafts - before.spec_decode_num_drafts
+    draft_tokens = now.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = now.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    return (f", Spec decode draft acceptance rate: {accepted / draft_tokens if draft_tokens else 0:.1%}, "
+            f"mean acceptance length: {1 + accepted / drafts if drafts else 0:.2f}")

@@ -20,7 +20,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 class VllmMetrics:
     def __init__(self, registry: CollectorRegistry, model_name: str, engine: int = 0) -> None:
-        labels = {"model_name": model_name, "engine": str(engine)}
+        self.labels = labels = {"model_name": model_name, "engine": str(engine)}
         names = list(labels)
 
         def gauge(name: str, doc: str) -> Gauge:
