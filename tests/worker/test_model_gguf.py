@@ -59,8 +59,10 @@ def gguf_tensors(tensors: dict[str, torch.Tensor], cfg: dict, arch: str) -> dict
     return out
 
 
-def write_gguf(folder, path, add_vocab=None) -> None:
-    """add_vocab(writer): the tokenizer's keys (default: a placeholder vocabulary the worker does not read)."""
+def write_gguf(folder, path, add_vocab=None, qtypes: dict[str, str] | None = None) -> None:
+    """add_vocab(writer): the tokenizer's keys (default: a placeholder vocabulary the worker does not read);
+    qtypes: llama.cpp's tensor kind (attn_q, ffn_down, ...) -> the GGUF type its layers' weights are quantized to
+    (Q8_0, Q4_0, Q4_1: the types the gguf package writes), float32 otherwise."""
     cfg = json.loads((folder / "config.json").read_text())
     arch = GGUF_ARCH[cfg["architectures"][0]]
     w = gguf.GGUFWriter(str(path), arch)
@@ -88,7 +90,12 @@ def write_gguf(folder, path, add_vocab=None) -> None:
         w.add_string("tokenizer.ggml.model", "gpt2")
         w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(cfg["vocab_size"])])
     for name, data in gguf_tensors(load_file(str(folder / "model.safetensors")), cfg, arch).items():
-        w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
+        qtype = (qtypes or {}).get(name.split(".")[2] if name.startswith("blk.") else "")
+        if qtype is None:
+            w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
+        else:
+            raw = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), raw), raw_dtype=raw)
     rope = cfg.get("rope_parameters") or {}
     if rope.get("rope_type") == "llama3":  # no rope scaling keys: llama.cpp keeps it as this tensor only
         w.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope, rope["rope_theta"], ints["attention.key_length"]))
