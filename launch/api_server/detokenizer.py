@@ -38,6 +38,19 @@ class IncrementalDetokenizer:
         self.text += self._new_text(final)
         return self._release(final)
 
+    def add_each(self, token_ids: list[int], final: bool = False) -> tuple[str, int]:
+        """add, one token at a time while stop strings are looked for (several tokens come at once with speculative
+        decoding): the text, and how many tokens it took (those after the one that completes a stop string are not
+        part of the output, as when they come one by one)."""
+        if len(token_ids) <= 1 or not self.stop:
+            return self.add(token_ids, final), len(token_ids)
+        text = ""
+        for n, token in enumerate(token_ids, 1):
+            text += self.add([token], final and n == len(token_ids))
+            if self.stopped:
+                return text, n
+        return text, len(token_ids)
+
     def _new_text(self, final: bool) -> str:
         settled = self.decode(self.ids[self.prefix_offset:self.read_offset])
         full = self.decode(self.ids[self.prefix_offset:])

@@ -187,11 +187,13 @@ def _piece(index: int, seq: _Sequence, out: RequestOutput, choice: Choice) -> Pi
     if out.prompt_logprobs is not None:
         seq.prompt_logprobs = out.prompt_logprobs
     new = [] if choice.drop_output else out.new_token_ids
+    stop_token = out.finish_reason == "stop" and bool(new) and new[-1] in choice.stop_ids
+    text, taken = seq.detokenizer.add_each(new[:-1] if stop_token else new, final=out.finished)
+    if seq.detokenizer.stopped:
+        new = new[:taken]  # a stop string ends the output at its last token, however many came in this output
     seq.count += len(new)
     seq.ids += new
-    seq.logprobs += [] if choice.drop_output else out.logprobs or []
-    stop_token = out.finish_reason == "stop" and bool(new) and new[-1] in choice.stop_ids
-    text = seq.detokenizer.add(new[:-1] if stop_token else new, final=out.finished)
+    seq.logprobs += [] if choice.drop_output else (out.logprobs or [])[: len(new)]
     seq.done = seq.detokenizer.stopped or out.finished
     if not seq.done and not text:
         return None
