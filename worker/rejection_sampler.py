@@ -43,6 +43,18 @@ def target_probs(logits: torch.Tensor, meta: SamplingMetadata, counts: list[int]
     return torch.where(greedy_rows.unsqueeze(1), one_hot, x.softmax(dim=-1))
 
 
+def greedy_verify(argmax: list[int], drafts: list[list[int]]) -> list[list[int]]:
+    """rejection_sample for all-greedy requests, from each row's argmax alone (no distributions needed)."""
+    out, start = [], 0
+    for d in drafts:
+        n = 0
+        while n < len(d) and d[n] == argmax[start + n]:
+            n += 1
+        out.append([*d[:n], argmax[start + n]])
+        start += len(d) + 1
+    return out
+
+
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row of probs (the exponential race worker/sampler.py uses; a one-hot row gives its token)."""
     noise = torch.empty_like(probs).exponential_(generator=generator)

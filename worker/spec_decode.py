@@ -7,7 +7,7 @@ import torch
 
 from protocol import TokenLogprobs
 from worker.grammar_bitmask import GrammarSource
-from worker.rejection_sampler import rejection_sample, target_probs
+from worker.rejection_sampler import greedy_verify, rejection_sample, target_probs
 
 if TYPE_CHECKING:
     from worker.model_runner import ModelRunner
@@ -30,9 +30,13 @@ def verify_drafts(runner: "ModelRunner", logits: torch.Tensor, samplers: list[in
     if spec:
         rows = runner.kv.buffers.rows.np[: len(batch)][[samplers[j] for j in spec]]  # their sampling state rows
         spec_drafts = [drafts[j] for j in spec]
-        picked = [r for j in spec for r in range(offsets[j], offsets[j + 1])]
-        probs = target_probs(logits[picked], runner.sampling.metadata(rows), [len(d) + 1 for d in spec_drafts])
-        for j, out in zip(spec, rejection_sample(probs, spec_drafts), strict=True):
-            tokens[j, : len(out)] = torch.tensor(out, device=tokens.device)
-        runner.sampling.record_drafted(rows, (tokens[spec] >= 0).sum(dim=1).cpu().numpy())
+        picked = logits[[r for j in spec for r in range(offsets[j], offsets[j + 1])]]
+        meta = runner.sampling.metadata(rows)
+        if meta.all_greedy:
+            outs = greedy_verify(picked.argmax(dim=-1).tolist(), spec_drafts)
+        else:
+            outs = rejection_sample(target_probs(picked, meta, [len(d) + 1 for d in spec_drafts]), spec_drafts)
+        width = tokens.shape[1]
+        tokens[spec] = torch.tensor([out + [-1] * (width - len(out)) for out in outs], device=tokens.device)
+        runner.sampling.record_drafted(rows, np.array([len(out) for out in outs]))
     return logprobs

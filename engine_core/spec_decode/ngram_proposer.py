@@ -8,7 +8,6 @@ engine_core/spec_decode/drafting.py), so the engine core always has the tokens t
 """
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -23,11 +22,14 @@ class NgramProposer:
         if k <= 0 or n_tokens <= self.min_n:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1):
-            # windows starting at 0 .. n_tokens - n - 1: every occurrence but the suffix itself
-            windows = sliding_window_view(tokens[: n_tokens - 1], n)
-            hits = np.flatnonzero((windows == tokens[n_tokens - n :]).all(axis=1))
-            if hits.size:
-                start = int(hits[0]) + n
-                return token_ids[start : start + k]
-        return []
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # where earlier occurrences of the suffix would end
+        length = np.ones(len(ends), dtype=np.int64)  # each one's common suffix with token_ids, up to max_n
+        alive = np.ones(len(ends), dtype=bool)
+        for j in range(1, self.max_n):
+            alive &= ends >= j
+            alive[alive] = tokens[ends[alive] - j] == tokens[n_tokens - 1 - j]
+            length += alive
+        if not ends.size or length.max() < self.min_n:
+            return []
+        start = int(ends[np.argmax(length)]) + 1  # argmax: the first, i.e. earliest, of the longest
+        return token_ids[start : start + k]

@@ -1,6 +1,8 @@
 """The n-gram proposer's rule (vLLM's prompt lookup) and the --speculative-config keys it is built from."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from engine_core.spec_decode.drafting import can_draft
 from engine_core.spec_decode.ngram_proposer import NgramProposer
@@ -26,6 +28,20 @@ def test_bounds_and_caps():
     assert NgramProposer(5, 1, 1).propose([4, 4], 10) == [4]  # what follows may be the suffix itself, then ends
     assert NgramProposer(3, 1, 3).propose([1, 2, 3, 4], 10) == []  # nothing repeats
     assert NgramProposer(3, 1, 3).propose([9], 10) == []
+
+
+def _by_definition(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        for i in range(len(tokens) - n):  # earliest first, the suffix itself excluded
+            if tokens[i : i + n] == tokens[len(tokens) - n :]:
+                return tokens[i + n : i + n + k]
+    return []
+
+
+@given(tokens=st.lists(st.integers(0, 3), max_size=40), k=st.integers(1, 5), lo=st.integers(1, 3),
+       extra=st.integers(0, 3), cap=st.integers(0, 6))
+def test_proposals_follow_the_definition(tokens, k, lo, extra, cap):
+    assert NgramProposer(k, lo, lo + extra).propose(tokens, cap) == _by_definition(tokens, min(k, cap), lo, lo + extra)
 
 
 def test_config_keys_as_vllm_names_them():

@@ -7,7 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from protocol import SamplingParams
-from worker.rejection_sampler import rejection_sample, target_probs
+from worker.rejection_sampler import greedy_verify, rejection_sample, target_probs
 from worker.sampling_state import SamplingState
 
 VOCAB = 6
@@ -31,6 +31,9 @@ def test_greedy_accepts_while_drafts_are_the_argmax():
     assert rejection_sample(probs, drafts) == [[2, 3, 4], [1], [0]]  # a mismatch gives the argmax; no draft: argmax
     all_right = [[2, 3, 4], [1], []]
     assert rejection_sample(probs, all_right) == [[2, 3, 4, 5], [1, 1], [0]]  # all accepted: the bonus token too
+    argmax = [t for a in argmaxes for t in a]  # the all-greedy fast path decides alike from the argmaxes alone
+    assert greedy_verify(argmax, drafts) == [[2, 3, 4], [1], [0]]
+    assert greedy_verify(argmax, all_right) == [[2, 3, 4, 5], [1, 1], [0]]
 
 
 def _expected(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
