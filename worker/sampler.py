@@ -69,18 +69,35 @@ def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Set logits outside each row's top-k and top-p nucleus to -inf (top_k 0 = off, top_p 1 = off)."""
-    sorted_logits, order = x.sort(dim=-1, descending=True)
+    """Set logits outside each row's top-k and top-p nucleus to -inf (top_k 0 = off, top_p 1 = off). Only the
+    largest k of the rows are sorted where every row has a top-k (a full sort of a 128k vocabulary costs more than
+    the model's step at small batches); top-k alone keeps the logits at least the k-th largest, ties too, as vLLM."""
     vocab = x.shape[-1]
-    ranks = torch.arange(vocab, device=x.device).unsqueeze(0)
-    if top_k is not None:
-        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    k = None if top_k is None else torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    if k is not None and top_p is None:
+        return apply_top_k_only(x, k)
+    width = vocab if k is None else int(k.max())
+    sorted_logits, order = x.topk(width, dim=-1) if width < vocab else x.sort(dim=-1, descending=True)
+    ranks = torch.arange(width, device=x.device).unsqueeze(0)
+    if k is not None:
         sorted_logits = sorted_logits.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
         sorted_logits = sorted_logits.masked_fill((mass_before > top_p.unsqueeze(1)) & (ranks > 0), float("-inf"))
-    return torch.empty_like(x).scatter_(1, order, sorted_logits)
+    out = torch.empty_like(x) if width == vocab else torch.full_like(x, float("-inf"))
+    return out.scatter_(1, order, sorted_logits)
+
+
+def apply_top_k_only(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Logits below each row's k-th largest set to -inf (k = vocab: the row is left as it is)."""
+    vocab = x.shape[-1]
+    on = k < vocab
+    if not bool(on.any()):
+        return x
+    width = int(k[on].max())
+    kth = x.topk(width, dim=-1).values.gather(1, (k.clamp(max=width) - 1).unsqueeze(1))
+    return x.masked_fill((x < kth) & on.unsqueeze(1), float("-inf"))
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top: list[int | None]) -> list[TokenLogprobs | None]:
