@@ -1,7 +1,8 @@
 """The linear kernels against a dequantize-then-matmul reference: oneDNN's prepacked dense weights against
 F.linear, and GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K weights kept quantized (int8 kernel, torch's packed int4 matmul, and
-the dequantize + dense path of large batches), on every shape class: one row, a few, more than SMALL_BATCH; output
-widths that are not multiples of the kernels' row blocks (64) or grains (8); one input block, an odd number, many.
+the dequantize + dense path of large batches), on every shape class: one row, a few, either side of the switch; output
+widths that are not multiples of the kernels' row blocks (64) or grains (8), batches that are not multiples of
+the int8 kernel's tile of 4 rows; one input block, an odd number, many.
 Tensor-parallel shards of quantized weights split on block boundaries, or refused by name; --quantization rtn."""
 
 import numpy as np
@@ -11,12 +12,13 @@ import torch.nn.functional as F
 
 from worker.model.gguf_quant import GGUFQuantTensor
 from worker.model.linear_method import DenseLinear, make_linear, rtn_int8
-from worker.ops.quant_linear import SMALL_BATCH, Int4Linear, Int8Linear
+from worker.ops.quant_linear import INT4_MAX_ROWS, INT8_MAX_ROWS, Int4Linear, Int8Linear
 
 gguf = pytest.importorskip("gguf")
 
 CPU = torch.device("cpu")
-ROWS = (1, 5, SMALL_BATCH, SMALL_BATCH + 23)  # decode, small batch, the switch, prefill (dequantize + GEMM)
+# decode, a small batch, both sides of each kernel's switch to dequantize + GEMM, a prefill
+ROWS = (1, 5, INT8_MAX_ROWS, INT8_MAX_ROWS + 1, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 40)
 OUTPUTS = (64, 100, 7)  # a whole row block, a tail, fewer rows than one grain
 # bf16: x rounded to bf16 is exact in the reference; scales/zeros rounded to bf16 (each up to 2^-9 relative, times
 # codes up to 8) and the output's rounding (2^-9) leave at most a few parts in 10^3 of the output's scale
@@ -78,7 +80,12 @@ def test_int4_dequantize_undoes_torch_packing():
     q = torch.randint(0, 16, (100, 96))
     scale, zero = torch.rand(100, 3), torch.randn(100, 3)
     w = (q.float().view(100, 3, 32) - 8) * scale[..., None] + zero[..., None]
-    assert torch.equal(Int4Linear(q, scale, zero, None, torch.float32).dequantize(), w.view(100, 96))
+    linear = Int4Linear(q, scale, zero, None, torch.float32)
+    assert linear.ops is not None  # the extension's one-pass kernel, and the torch ops used without it
+    assert torch.equal(linear.dequantize_torch(), w.view(100, 96))
+    torch.testing.assert_close(linear.dequantize(), w.view(100, 96), rtol=1e-6, atol=1e-6)  # the kernel's FMA
+    bf16 = Int4Linear(q, scale, zero, None, torch.bfloat16)
+    torch.testing.assert_close(bf16.dequantize(), bf16.dequantize_torch(), rtol=2**-8, atol=1e-6)  # one bf16 step
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
