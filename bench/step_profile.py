@@ -21,7 +21,6 @@ from bench.timing import CallTimes
 from protocol import SamplingParams
 from protocol.config import engine_config
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 LINEAR_WORDS = ("linear", "mm", "matmul", "gemm", "onednn", "mkldnn")  # the op names of any linear kernel
 
 
@@ -79,7 +78,8 @@ def unlabelled_top(prof, n: int = 6) -> str:
     return ", ".join(f"{e.key} {e.self_cpu_time_total / 1e3:.1f} ms" for e in rows[:n])
 
 
-def profiled_run(folder: str, threads: int, batch: int, prompt_len: int, decode_context: int, steps: int) -> None:
+def profiled_run(folder: str, threads: int, batch: int, prompt_len: int, decode_context: int, steps: int,
+                 params: SamplingParams) -> None:
     from tests.worker.harness import Driver, Req, kv_config
     from worker.worker import Worker
 
@@ -102,9 +102,9 @@ def profiled_run(folder: str, threads: int, batch: int, prompt_len: int, decode_
     driver.run(prompts(1), 2)  # warm-up: the kernels built per shape
     timed = w.execute_model = CallTimes(w.execute_model)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        driver.step_once([Req("prefill", prompts(1)[0], 1, GREEDY)], [])
+        driver.step_once([Req("prefill", prompts(1)[0], 1, params)], [])
     report(f"prefill of one {prompt_len}-token prompt", prof, sum(timed.wall))
-    reqs = [Req(f"d{i}", p[:decode_context], steps + 1, GREEDY) for i, p in enumerate(prompts(batch))]
+    reqs = [Req(f"d{i}", p[:decode_context], steps + 1, params) for i, p in enumerate(prompts(batch))]
     driver.step_once(reqs, [])  # their prefill, unprofiled
     timed.clear()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -130,8 +130,13 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--decode-context", type=int, default=256, help="prompt tokens of the decoding requests")
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=0.0, help="of every request (0: greedy)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
     args = p.parse_args()
-    profiled_run(args.model, args.threads, args.batch, args.prompt_len, args.decode_context, args.steps)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_tokens=1 << 20,
+                            ignore_eos=True)
+    profiled_run(args.model, args.threads, args.batch, args.prompt_len, args.decode_context, args.steps, params)
     return 0
 
 
