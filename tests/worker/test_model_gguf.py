@@ -61,8 +61,8 @@ def gguf_tensors(tensors: dict[str, torch.Tensor], cfg: dict, arch: str) -> dict
 
 def write_gguf(folder, path, add_vocab=None, qtypes: dict[str, str] | None = None) -> None:
     """add_vocab(writer): the tokenizer's keys (default: a placeholder vocabulary the worker does not read);
-    qtypes: llama.cpp's tensor kind (attn_q, ffn_down, ...) -> the GGUF type its layers' weights are quantized to
-    (Q8_0, Q4_0, Q4_1: the types the gguf package writes), float32 otherwise."""
+    qtypes: llama.cpp's tensor kind (attn_q, ffn_down, ..., token_embd, output) -> the GGUF type its weights are
+    quantized to (Q8_0, Q4_0, Q4_1: the types the gguf package writes), float32 otherwise."""
     cfg = json.loads((folder / "config.json").read_text())
     arch = GGUF_ARCH[cfg["architectures"][0]]
     w = gguf.GGUFWriter(str(path), arch)
@@ -90,7 +90,7 @@ def write_gguf(folder, path, add_vocab=None, qtypes: dict[str, str] | None = Non
         w.add_string("tokenizer.ggml.model", "gpt2")
         w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(cfg["vocab_size"])])
     for name, data in gguf_tensors(load_file(str(folder / "model.safetensors")), cfg, arch).items():
-        qtype = (qtypes or {}).get(name.split(".")[2] if name.startswith("blk.") else "")
+        qtype = (qtypes or {}).get(name.split(".")[2] if name.startswith("blk.") else name.split(".")[0])
         if qtype is None:
             w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
         else:

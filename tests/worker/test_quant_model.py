@@ -19,7 +19,7 @@ from worker.worker import Worker
 gguf = pytest.importorskip("gguf")
 
 QTYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_gate": "Q4_0",
-          "ffn_up": "Q4_0", "ffn_down": "Q8_0"}
+          "ffn_up": "Q4_0", "ffn_down": "Q8_0", "token_embd": "Q4_0", "output": "Q8_0"}
 
 
 @pytest.fixture
@@ -33,11 +33,13 @@ def quantized_gguf(tmp_path) -> Path:
 
 def test_quantized_gguf_gives_the_dequantized_tokens(quantized_gguf):
     """float32: the kernels' weights equal the dequantized ones up to fp32 rounding, and the tiny model's logits
-    have clear winners, so the tokens are equal; q, k, v mix Q4_0, Q4_1 and Q8_0 (dense), gate/up stay int4."""
+    have clear winners, so the tokens are equal; q, k, v mix Q4_0, Q4_1 and Q8_0 (dense), gate/up stay int4, the
+    LM head int8; the Q4_0 embedding is looked up dequantized."""
     kept, cfg = make_worker(quantized_gguf, "cpu")
-    qkv = kept.runner.model.layers[0].self_attn.qkv.linear
-    assert type(qkv).__name__ == "DenseLinear" and type(kept.runner.model.layers[0].mlp.gate_up.linear).__name__ \
-        == "Int4Linear" and type(kept.runner.model.layers[0].mlp.down.linear).__name__ == "Int8Linear"
+    model = kept.runner.model
+    kinds = [model.layers[0].self_attn.qkv.linear, model.layers[0].mlp.gate_up.linear, model.layers[0].mlp.down.linear,
+             model.lm_head.linear]
+    assert [type(x).__name__ for x in kinds] == ["DenseLinear", "Int4Linear", "Int8Linear", "Int8Linear"]
     dense, cfg_dense = make_worker(quantized_gguf, "cpu", quantization="none")
     assert type(dense.runner.model.layers[0].mlp.gate_up.linear).__name__ == "DenseLinear"
     assert Driver(kept, cfg, chunk=16).run(RAGGED, MAX_NEW) == Driver(dense, cfg_dense, chunk=16).run(RAGGED, MAX_NEW)
@@ -127,6 +129,7 @@ def test_smollm2_q4_1_kept_quantized_agrees_with_dequantized():
     tok = load_tokenizer(path)
     prompts = [tok.encode(p) for p in PROMPTS]
     kept, cfg = bf16_worker(path, None)
+    assert type(kept.runner.model.lm_head.linear).__name__ == "Int8Linear"  # the file's Q8_0 token_embd, tied
     dense, cfg_dense = bf16_worker(path, "none")
     a, b = Driver(kept, cfg).run(prompts, 32), Driver(dense, cfg_dense).run(prompts, 32)
     same = sum(x == y for s, t in zip(a, b, strict=True) for x, y in zip(s, t, strict=True)) / sum(map(len, b))

@@ -1,8 +1,9 @@
-"""GGUF checkpoints (optional extra `gguf`): config from metadata, weights renamed to the Hugging Face names (the
-linear layers' Q8_0, Q4_0, Q4_1 and Q4_K weights kept as their blocks, worker/model/gguf_quant.py; everything else,
-and everything with keep_quantized False, dequantised to float32 at load), undoing what llama.cpp's conversion changed (Llama's interleaved Q/K rows, Gemma's norm
-weights stored with their 1 added, MoE experts stacked in one tensor); Llama 3.1's rope_freqs is read as the rope
-scaling of the config, not as a weight."""
+"""GGUF checkpoints (optional extra `gguf`): config from metadata, weights renamed to the Hugging Face names, undoing
+what llama.cpp's conversion changed (Llama's interleaved Q/K rows, Gemma's norm weights stored with their 1 added,
+MoE experts stacked in one tensor); Llama 3.1's rope_freqs is read as the rope scaling of the config, not as a
+weight. The linear layers', the embedding's and the LM head's Q8_0, Q4_0, Q4_1 and Q4_K weights stay as their
+blocks (worker/model/gguf_quant.py); everything else, and everything with keep_quantized False, is dequantised to
+float32 at load."""
 
 import logging
 from collections import Counter
@@ -73,7 +74,8 @@ def hf_tensors(name: str, data: np.ndarray, cfg: dict, arch: str) -> dict[str, n
 
 def load_gguf(path: str | Path,
               keep_quantized: bool = True) -> tuple[dict, dict[str, torch.Tensor | GGUFQuantTensor]]:
-    """Config and weights; the embedding and LM head are dequantized (they stay dense in the model)."""
+    """Config and weights. A quantized embedding is kept too: the LM head multiplies it as it is, the embedding
+    lookup reads it dequantized (WeightSource.read)."""
     gguf, reader = open_gguf(path)
     cfg = gguf_config(reader)
     arch = field(reader, "general.architecture")
@@ -82,8 +84,7 @@ def load_gguf(path: str | Path,
     dense: Counter[str] = Counter()
     for t in reader.tensors:
         qtype = t.tensor_type.name
-        parts = t.name.split(".")
-        if keep_quantized and qtype in KEPT and parts[0] == "blk" and parts[2] in _LINEAR:
+        if keep_quantized and _kept(t.name, qtype):
             kept[qtype] += 1
             for name, value in hf_tensors(t.name, np.asarray(t.data), cfg, arch).items():
                 weights[name] = GGUFQuantTensor(name, qtype, np.ascontiguousarray(value))
@@ -95,6 +96,12 @@ def load_gguf(path: str | Path,
     log.info("%s: %s tensors stay quantized (%s); %s dequantized at load (%s)", Path(path).name, kept.total(),
              _counts(kept), dense.total(), _counts(dense))
     return cfg, weights
+
+
+def _kept(name: str, qtype: str) -> bool:
+    """A linear layer's weight, the embedding or the LM head, in a format the kernels read."""
+    parts = name.split(".")
+    return qtype in KEPT and (parts[0] in ("token_embd", "output") or parts[0] == "blk" and parts[2] in _LINEAR)
 
 
 def _counts(by_type: Counter[str]) -> str:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from worker.model.linear_method import DenseLinear, make_linear
 from worker.model.weights import WeightSource
+from worker.ops.quant_linear import Int4Linear
 from worker.parallel import TPGroup, shard_range
 
 
@@ -115,14 +116,6 @@ class VocabParallelEmbedding:
         rows = src.read(name, 0, self.start, end).to(**to)
         self.weight = torch.cat([rows, rows.new_zeros(per - rows.shape[0], rows.shape[1])])
         self.vocab_size, self.tp = vocab_size, tp
-        self.head: DenseLinear | None = None
-
-    def as_lm_head(self) -> "VocabParallelEmbedding":
-        """This one only multiplies (never looked up): its weight becomes the packed copy of the dense matmul.
-        The LM head stays dense, also for a GGUF file whose other weights stay quantized."""
-        self.head = DenseLinear(self.weight, None)
-        self.weight = self.head.weight
-        return self
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -132,7 +125,28 @@ class VocabParallelEmbedding:
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0.0))
 
+
+class ParallelLMHead:
+    """The LM head: vocabulary rows split across ranks as VocabParallelEmbedding's, multiplied by the linear of its
+    weight (packed dense; a GGUF file's Q8_0 / Q4 head stays quantized, --quantization rtn leaves it dense)."""
+
+    def __init__(self, src: WeightSource, name: str, vocab_size: int, tp: TPGroup, **to):
+        per = math.ceil(vocab_size / tp.size)
+        start = tp.rank * per
+        end = min(start + per, vocab_size)
+        rows = src.read_linear(name, 0, start, end)
+        parts = [rows] if end - start == per else [rows, torch.zeros(per - (end - start), rows.shape[1])]
+        self.linear = make_linear(parts, None, None, **to)
+        self.vocab_size, self.tp = vocab_size, tp
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight as its kernel holds it (packed, or codes); the runner reads its device."""
+        linear = self.linear
+        return linear.weight if isinstance(linear, DenseLinear) else linear.packed if isinstance(
+            linear, Int4Linear) else linear.q
+
     def logits(self, h: torch.Tensor) -> torch.Tensor | None:
-        """Full-vocabulary logits on rank 0 (None elsewhere), as a vocab-parallel LM head."""
-        full = self.tp.gather_last_dim(F.linear(h, self.weight) if self.head is None else self.head(h))
+        """Full-vocabulary logits on rank 0 (None elsewhere)."""
+        full = self.tp.gather_last_dim(self.linear(h))
         return None if full is None else full[..., : self.vocab_size]

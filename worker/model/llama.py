@@ -9,7 +9,7 @@ from protocol.model.config import ModelConfig
 from worker.attention_backends import Attention
 from worker.kv_quant import KVCache
 from worker.model.attention_block import SelfAttention
-from worker.model.layers import VocabParallelEmbedding, norm
+from worker.model.layers import ParallelLMHead, VocabParallelEmbedding, norm
 from worker.model.layout import LLAMA, Layout
 from worker.model.mlp import GatedMLP
 from worker.model.moe import SparseMoE
@@ -61,7 +61,7 @@ class LlamaModel:
         head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         if not cfg.tie_word_embeddings and not src.has(head_name):
             head_name = "model.embed_tokens.weight"  # some checkpoints tie without saying so
-        self.lm_head = VocabParallelEmbedding(src, head_name, cfg.vocab_size, tp, **to).as_lm_head()
+        self.lm_head = ParallelLMHead(src, head_name, cfg.vocab_size, tp, **to)
 
     @property
     def kv_heads_per_rank(self) -> int:
