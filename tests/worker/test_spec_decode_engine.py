@@ -1,5 +1,6 @@
 """n-gram speculative decoding through the real EngineCore and model: greedy tokens equal plain decoding, with
-forced preemptions and prefix-cache hits, with async scheduling, and over tensor parallel size 2 (gloo); a batch
+forced preemptions and prefix-cache hits, with a sliding-window group, with async scheduling, and over tensor
+parallel size 2 (gloo); a batch
 mixing drafting and non-drafting requests gives each what plain decoding gives it."""
 
 import multiprocessing as mp
@@ -12,7 +13,7 @@ import torch
 from engine_core.core import EngineCore
 from protocol import EngineCoreRequest, SamplingParams
 from protocol.config import engine_config
-from tests.worker.parity_support import preempting_waves, prompts
+from tests.worker.parity_support import FAMILIES, preempting_waves, prompts
 from worker.inproc_executor import InProcExecutor
 from worker.model.tiny import write_model
 from worker.worker import Worker
@@ -33,8 +34,12 @@ def plain(folder):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_greedy_equals_plain_decoding_with_preemption_and_prefix_hits(folder, plain, async_scheduling):
-    _, got, stats = preempting_waves(folder, POOL, LONGER, speculative_config=NGRAM, async_scheduling=async_scheduling)
+@pytest.mark.parametrize("name,pool", [("llama", POOL), ("qwen2_sliding", 13)])  # one group; full + sliding window
+def test_greedy_equals_plain_decoding_with_preemption_and_prefix_hits(name, pool, async_scheduling, tmp_path):
+    spec = dict(FAMILIES[name])
+    family = write_model(tmp_path, spec.pop("architecture"), eos_token_id=None, **spec)
+    plain = preempting_waves(family, pool, LONGER)[1]
+    _, got, stats = preempting_waves(family, pool, LONGER, speculative_config=NGRAM, async_scheduling=async_scheduling)
     assert got == plain
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens  # both outcomes happen
