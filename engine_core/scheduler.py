@@ -170,8 +170,8 @@ class Scheduler:
         while i < len(running) and state.token_budget > 0:
             request = running[i]
             placeholders = request.num_output_placeholders
-            if placeholders and (self.spec is not None or request.num_computed_tokens + 1 >= self._length_limit(request)):
-                i += 1  # async: the step in flight samples its last token, or the next drafts start after it
+            if placeholders and self._waits_for_answer(request):
+                i += 1
                 continue
             num_new_tokens = len(request.all_token_ids) + placeholders - request.num_computed_tokens
             if 0 < threshold < num_new_tokens:
@@ -180,7 +180,8 @@ class Scheduler:
             if num_new_tokens <= 0:
                 i += 1
                 continue
-            num_drafts = len(self._draft(request, num_new_tokens, state.token_budget))
+            num_drafts = 0 if self.spec is None else len(
+                self.spec.draft(request, num_new_tokens, state.token_budget, self._length_limit(request)))
             blocks = allocate_slots(request, num_new_tokens, num_lookahead_tokens=num_drafts)
             if blocks is None:
                 blocks, i = self._preempt_until_allocated(request, num_new_tokens, num_drafts, i, state)
@@ -193,12 +194,10 @@ class Scheduler:
             state.token_budget -= num_new_tokens
             i += 1
 
-    def _draft(self, request: Request, num_new_tokens: int, token_budget: int) -> list[int]:
-        """A decoding request's n-gram drafts (engine_core/spec_decode/drafting.py), kept on it until its answer."""
-        if self.spec is None or num_new_tokens != 1 or request.num_output_placeholders:
-            return []
-        request.spec_token_ids = self.spec.draft(request, token_budget, self._length_limit(request))
-        return request.spec_token_ids
+    def _waits_for_answer(self, request: Request) -> bool:
+        """Async: the step in flight samples the request's last token, or its next drafts start after that token."""
+        return (request.num_computed_tokens + 1 >= self._length_limit(request)
+                or (self.spec is not None and self.spec.drafts_for(request)))
 
     def _preempt_until_allocated(
         self, request: Request, num_new_tokens: int, num_drafts: int, i: int, state: _ScheduleState

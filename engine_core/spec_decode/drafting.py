@@ -13,8 +13,8 @@ preempted, like every other block of it.
 Only requests whose sampling the rejection sampler reproduces exactly draft (worker/rejection_sampler.py):
 temperature, top-k, top-p and min-p. Requests with penalties, logit bias, allowed or bad words, min_tokens not
 yet reached, a seed, logprobs or structured outputs decode one token a step as without speculation.
-With async scheduling a drafting request is not scheduled while its step runs: its drafts start after the
-token that step samples, which only the answer brings.
+With async scheduling a request that may draft is not scheduled while its step runs (its drafts start after the
+token that step samples, which only the answer brings); the others keep async scheduling's overlap.
 """
 
 from engine_core.request import Request
@@ -43,13 +43,18 @@ class SpecDecoding:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * config.num_speculative_tokens
 
-    def draft(self, request: Request, token_budget: int, length_limit: int) -> list[int]:
-        """Drafts for a decoding request (one uncomputed token): at most budget - 1 of them, and none that would
-        take it past its length limit (the step gives at most 1 + len(drafts) tokens)."""
-        if not can_draft(request.sampling_params, len(request.output_token_ids)):
-            return []
-        max_drafts = min(token_budget, length_limit - len(request.all_token_ids)) - 1
-        return self.proposer.propose(request.all_token_ids, max_drafts)
+    def drafts_for(self, request: Request) -> bool:
+        return can_draft(request.sampling_params, len(request.output_token_ids))
+
+    def draft(self, request: Request, num_new_tokens: int, token_budget: int, length_limit: int) -> list[int]:
+        """A decoding request's drafts (one uncomputed token, none in flight), kept on request.spec_token_ids until
+        the step's answer: at most budget - 1, and none past its length limit (the step gives 1 + len(drafts))."""
+        drafts: list[int] = []
+        if num_new_tokens == 1 and not request.num_output_placeholders and self.drafts_for(request):
+            max_drafts = min(token_budget, length_limit - len(request.all_token_ids)) - 1
+            drafts = self.proposer.propose(request.all_token_ids, max_drafts)
+        request.spec_token_ids = drafts
+        return drafts
 
     def on_output(self, request: Request, num_sampled: int) -> None:
         """A step that verified request.spec_token_ids gave num_sampled tokens: the accepted drafts and one more."""

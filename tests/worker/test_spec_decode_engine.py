@@ -63,9 +63,10 @@ def _engine_outputs(folder, requests, **settings):
         engine.shutdown()
 
 
-def test_mixed_batch_drafting_and_plain_requests(folder):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_mixed_batch_drafting_and_plain_requests(folder, async_scheduling):
     """Greedy and sampled requests draft; one with logprobs and one with a repetition penalty do not, and get plain
-    decoding's tokens and log-probabilities in the same steps."""
+    decoding's tokens and log-probabilities in the same steps (async: they keep their steps in flight)."""
     loop = [5, 6, 7, 8] * 6
     asks = [("greedy", loop, LONGER),
             ("sampled", loop, SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=24, ignore_eos=True)),
@@ -73,8 +74,8 @@ def test_mixed_batch_drafting_and_plain_requests(folder):
             ("penalty", prompts([30], seed=9)[0], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
                                                                  repetition_penalty=1.3))]
     requests = [EngineCoreRequest(rid, p, params, arrival_time=0.0) for rid, p, params in asks]
-    plain, _ = _engine_outputs(folder, requests)
-    spec, stats = _engine_outputs(folder, requests, speculative_config=NGRAM)
+    plain, _ = _engine_outputs(folder, requests, async_scheduling=async_scheduling)
+    spec, stats = _engine_outputs(folder, requests, speculative_config=NGRAM, async_scheduling=async_scheduling)
     for rid in ("greedy", "logprobs", "penalty"):
         assert spec[rid] == plain[rid], rid
     assert len(spec["sampled"][0]) == 24
