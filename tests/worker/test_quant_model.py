@@ -45,6 +45,17 @@ def test_quantized_gguf_gives_the_dequantized_tokens(quantized_gguf):
     assert Driver(kept, cfg, chunk=16).run(RAGGED, MAX_NEW) == Driver(dense, cfg_dense, chunk=16).run(RAGGED, MAX_NEW)
 
 
+def test_load_log_names_what_stays_quantized(quantized_gguf, caplog):
+    caplog.set_level("INFO", logger="worker.model.gguf_loader")
+    load_config_and_weights(str(quantized_gguf))
+    line = next(r.getMessage() for r in caplog.records if "stay quantized" in r.getMessage())
+    assert "tensors that stay quantized: Q4_0 " in line and "ffn_gate.weight 4" in line and "output.weight 1" in line
+    assert "dequantized at load: F32 " in line and "attn_norm.weight 4" in line
+    caplog.clear()
+    load_config_and_weights(str(quantized_gguf), "none")
+    assert "tensors that stay quantized: none; dequantized at load: F32" in caplog.text
+
+
 def test_quantized_gguf_tensor_parallel(quantized_gguf):
     """Two ranks: column-parallel weights split by rows, row-parallel ones (o_proj, down_proj) on block
     boundaries; the tokens of one rank with the file dequantized."""

@@ -80,21 +80,21 @@ def load_gguf(path: str | Path,
     cfg = gguf_config(reader)
     arch = field(reader, "general.architecture")
     weights: dict[str, torch.Tensor | GGUFQuantTensor] = {}
-    kept: Counter[str] = Counter()
-    dense: Counter[str] = Counter()
+    kept: dict[str, Counter[str]] = {}
+    dense: dict[str, Counter[str]] = {}
     for t in reader.tensors:
         qtype = t.tensor_type.name
         if keep_quantized and _kept(t.name, qtype):
-            kept[qtype] += 1
+            kept.setdefault(qtype, Counter())[_kind(t.name)] += 1
             for name, value in hf_tensors(t.name, np.asarray(t.data), cfg, arch).items():
                 weights[name] = GGUFQuantTensor(name, qtype, np.ascontiguousarray(value))
             continue
-        dense[qtype] += 1
+        dense.setdefault(qtype, Counter())[_kind(t.name)] += 1
         data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         for name, value in hf_tensors(t.name, data, cfg, arch).items():
             weights[name] = torch.from_numpy(np.ascontiguousarray(value))
-    log.info("%s: %s tensors stay quantized (%s); %s dequantized at load (%s)", Path(path).name, kept.total(),
-             _counts(kept), dense.total(), _counts(dense))
+    log.info("%s: tensors that stay quantized: %s; dequantized at load: %s", Path(path).name, _counts(kept),
+             _counts(dense))
     return cfg, weights
 
 
@@ -104,5 +104,13 @@ def _kept(name: str, qtype: str) -> bool:
     return qtype in KEPT and (parts[0] in ("token_embd", "output") or parts[0] == "blk" and parts[2] in _LINEAR)
 
 
-def _counts(by_type: Counter[str]) -> str:
-    return ", ".join(f"{name}: {n}" for name, n in sorted(by_type.items())) or "none"
+def _kind(name: str) -> str:
+    """A tensor's kind without its layer: blk.3.ffn_down.weight -> ffn_down.weight."""
+    parts = name.split(".")
+    return ".".join(parts[2:] if parts[0] == "blk" else parts)
+
+
+def _counts(by_type: dict[str, Counter[str]]) -> str:
+    """Q4_1 210 (attn_q.weight 30, ...); F32 61 (...)."""
+    return "; ".join(f"{qtype} {kinds.total()} ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))})"
+                     for qtype, kinds in sorted(by_type.items())) or "none"
