@@ -42,7 +42,7 @@ def repeat_prompt(model: str) -> list[int]:
     from launch.api_server.text_model import load_text_model
 
     text = load_text_model(model)
-    chat = text.render_chat([{"role": "user", "content": f"Repeat this passage word for word:\n\n{PASSAGE}"}])
+    chat = text.render_chat([{"role": "user", "content": f"Copy this passage:\n\n{PASSAGE}\n\nCopy:"}])
     return text.encode(chat, add_special_tokens=False)
 
 
@@ -57,8 +57,9 @@ def make_engine(model: str, threads: int, spec: str | None, dtype: str = "float3
 def run_one(engine: EngineCore, rid: str, prompt: list[int], max_tokens: int) -> tuple[list[int], float, float]:
     """The request's greedy tokens and its decode seconds per token after the first: wall, and this process's CPU
     (all its threads; less disturbed by other processes on a busy machine)."""
-    engine.add_request(EngineCoreRequest(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                                     ignore_eos=True), arrival_time=time.time()))
+    # the model's EOS ends an answer as when served (SmolLM2's copy ends there; the built-in model has none)
+    engine.add_request(EngineCoreRequest(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                                         arrival_time=time.time()))
     tokens: list[int] = []
     first = last = (0.0, 0.0)
     while engine.has_work():
@@ -94,7 +95,7 @@ def bench_workload(name: str, engines: dict[str, EngineCore], prompts: list[list
     accepted = now.spec_decode_num_accepted_tokens - was.spec_decode_num_accepted_tokens
     (plain, plain_cpu), (spec, spec_cpu) = ((statistics.median(w for w, _ in times[label]),
                                              statistics.median(c for _, c in times[label])) for label in engines)
-    return [name, len(prompts), args.tokens, f"{plain * 1e3:.1f}", f"{spec * 1e3:.1f}", f"{plain / spec:.2f}x",
+    return [name, len(prompts), statistics.median(map(len, tokens["plain"])), f"{plain * 1e3:.1f}", f"{spec * 1e3:.1f}", f"{plain / spec:.2f}x",
             f"{plain_cpu * 1e3:.1f} / {spec_cpu * 1e3:.1f}", f"{plain_cpu / spec_cpu:.2f}x",
             f"{accepted / drafted if drafted else 0:.1%}", "yes" if same else f"first {same_as}"]
 
@@ -103,7 +104,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(SMOLLM2), help="a model folder or GGUF file, or tiny (built in)")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--tokens", type=int, default=128, help="output tokens per request")
+    parser.add_argument("--tokens", type=int, default=128, help="most output tokens per request (the model's EOS "
+                        "may end one earlier)")
     parser.add_argument("--random-prompts", type=int, default=3, help="random prompts per round")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup-max", type=int, default=4)
@@ -128,7 +130,7 @@ def main() -> None:
                 bench_workload("random", engines, random_prompts, args)]
         for engine in engines.values():
             engine.shutdown()
-    header = ["workload", "prompts", "tokens", "plain ms/tok", "ngram ms/tok", "speed-up", "CPU ms/tok plain / ngram",
+    header = ["workload", "prompts", "tokens (median)", "plain ms/tok", "ngram ms/tok", "speed-up", "CPU ms/tok plain / ngram",
               "CPU speed-up", "acceptance", "same greedy tokens"]
     print(f"\nspeculative_config {spec}, model {args.model} ({args.dtype}, quantization {args.quantization}), "
           f"{args.threads} threads, medians of {args.rounds} "
