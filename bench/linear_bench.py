@@ -118,11 +118,11 @@ def interleave(variants: dict, workloads: dict, rounds: int) -> dict:
 
 
 def report(results: dict, variants: list[str], workloads: list[str], unit: dict) -> None:
-    print(f"{'workload':>14} " + " ".join(f"{v:>22}" for v in variants) + "   ratio (first / second)")
+    print(f"{'workload':>14} " + " ".join(f"{v:>22}" for v in variants) + "   speed-up of the first")
     for w in workloads:
         med = [statistics.median(results[v, w]) for v in variants]
         rounds = [" ".join(f"{x * 1e3:.1f}" for x in results[v, w]) for v in variants]
-        print(f"{w:>14} " + " ".join(f"{m * 1e3:>19.2f} ms" for m in med) + f"   {med[1] / med[0]:.2f}x faster"
+        print(f"{w:>14} " + " ".join(f"{m * 1e3:>19.2f} ms" for m in med) + f"   {med[1] / med[0]:.2f}x"
               f"   rounds: {' | '.join(rounds)}{unit.get(w, lambda m: '')(med)}")
 
 

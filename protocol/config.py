@@ -56,9 +56,9 @@ class ModelConfig(_Area, frozen=True):
         "(needs kvengine[transformers]; tensor parallel size 1); auto: native where there is one")] = "auto"
     quantization: Annotated[Literal["gguf", "rtn", "none"] | None, setting(
         "weight quantization, named as vLLM's --quantization. default: as the checkpoint is (a GGUF file as gguf, "
-        "a Hugging Face folder dense); gguf (a .gguf model only): its Q8_0, Q4_0, Q4_1 and Q4_K linear weights "
-        "stay quantized and are multiplied by weight-only int8/int4 kernels on the CPU (other types, the "
-        "embedding and the LM head dequantized at load; on CUDA everything is dequantized); rtn (a Hugging Face "
+        "a Hugging Face folder dense); gguf (a .gguf model only): its Q8_0, Q4_0, Q4_1 and Q4_K linear weights, "
+        "LM head included, stay quantized and are multiplied by weight-only int8/int4 kernels on the CPU (other "
+        "types dequantized at load, as is everything on CUDA; the embedding is looked up dequantized); rtn (a Hugging Face "
         "folder or the built-in model, native implementation, CPU): linear weights rounded to int8 at load, one "
         "scale per 128 inputs (32 where the width is not a multiple of 128), half the bytes of bf16 per decode "
         "step; none: every weight dense, a GGUF file dequantized at load")] = None
