@@ -280,7 +280,9 @@ RULES: dict[str, Callable[[str, Context], None] | str] = {
     r"kvengine events": run_events,
     r"kvengine simulate --trace conversation_trace\.jsonl": run_simulate_whole_trace,
     r"kvengine simulate --trace traces/": run_simulate,
-    r"kvengine make-model": run_make_model,
+    r"kvengine make-model(?!.* --preset)": run_make_model,
+    r"kvengine make-model .* --preset": "writes a real model's shape (0.7-2.5 GB of random weights); "
+                                        "tests/launch/test_make_model_presets.py checks the presets' config.json",
     r"```python\nimport asyncio": run_python,
     r"kvengine serve --served-model-name smollm2": "the HTTP chat server: the curl and openai rules start it",
     r"curl -s http://127.0.0.1:8000/v1/chat": run_http_curl,
