@@ -2,10 +2,6 @@
 heads, KV heads, MLP widths and experts' intermediate dims split over the ranks. One pair of processes serves all
 the families in turn (each spawn imports torch anew)."""
 
-import multiprocessing as mp
-import queue
-import socket
-
 import pytest
 import torch
 
@@ -13,18 +9,13 @@ from protocol.config import engine_config
 from tests.worker.family_support import FAMILY_SPECS, build_family
 from tests.worker.harness import Driver, hf_greedy, kv_config
 from tests.worker.parity_support import MAX_NEW, RAGGED
+from tests.worker.rank_support import run_ranks
 from worker.worker import Worker
 
 pytest.importorskip("transformers")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, folders: dict[str, str], port: int, results) -> None:
+def _rank_main(rank: int, port: int, results, folders: dict[str, str]) -> None:
     torch.set_num_threads(1)
     init = f"tcp://127.0.0.1:{port}"
     for name, folder in folders.items():
@@ -40,29 +31,8 @@ def _rank_main(rank: int, folders: dict[str, str], port: int, results) -> None:
 
 
 def run_tp2(folders: dict[str, str]) -> dict[tuple[int, str], tuple[int, list]]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, folders, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got: dict[tuple[int, str], tuple[int, list]] = {}
-        while len(got) < 2 * len(folders):
-            if any(p.exitcode not in (None, 0) for p in procs):
-                raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-            try:
-                rank, name, kv_heads, tokens = results.get(timeout=1)
-                got[rank, name] = (kv_heads, tokens)
-            except queue.Empty:
-                pass
-        return got
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    got = run_ranks(_rank_main, (folders,), 2 * len(folders))
+    return {(rank, name): (kv_heads, tokens) for rank, name, kv_heads, tokens in got}
 
 
 def test_tp2_matches_transformers_for_every_family(tmp_path):

@@ -1,11 +1,6 @@
 """n-gram speculative decoding through the real EngineCore and model: greedy tokens equal plain decoding, with
 forced preemptions and prefix-cache hits, with a sliding-window group, with async scheduling, and over tensor
-parallel size 2 (gloo); a batch
-mixing drafting and non-drafting requests gives each what plain decoding gives it."""
-
-import multiprocessing as mp
-import queue
-import socket
+parallel size 2 (gloo); a batch mixing drafting and non-drafting requests gives each what plain decoding gives it."""
 
 import pytest
 import torch
@@ -14,6 +9,7 @@ from engine_core.core import EngineCore
 from protocol import EngineCoreRequest, SamplingParams
 from protocol.config import engine_config
 from tests.worker.parity_support import FAMILIES, preempting_waves, prompts
+from tests.worker.rank_support import run_ranks
 from worker.inproc_executor import InProcExecutor
 from worker.model.tiny import write_model
 from worker.worker import Worker
@@ -82,12 +78,6 @@ def test_mixed_batch_drafting_and_plain_requests(folder, async_scheduling):
     assert stats.spec_decode_num_drafts > 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _RankExecutor:
     """One tensor-parallel rank's worker as an engine core's executor: each rank runs the same deterministic
     engine core, so both see the same SchedulerOutputs (rank 0 decides the tokens and broadcasts them)."""
@@ -108,7 +98,7 @@ class _RankExecutor:
         self.worker.shutdown()
 
 
-def _rank_main(rank: int, folder: str, port: int, results) -> None:
+def _rank_main(rank: int, port: int, results, folder: str) -> None:
     torch.set_num_threads(1)
     _, got, stats = preempting_waves(folder, POOL, LONGER, lambda c: _RankExecutor(c, rank, port),
                                      tensor_parallel_size=2, speculative_config=NGRAM)
@@ -116,27 +106,6 @@ def _rank_main(rank: int, folder: str, port: int, results) -> None:
 
 
 def test_tensor_parallel_2_equals_plain_decoding(folder, plain):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, str(folder), port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = {}
-        while len(got) < 2:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-            try:
-                rank, tokens, accepted = results.get(timeout=1)
-                got[rank] = (tokens, accepted)
-            except queue.Empty:
-                pass
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    got = {rank: (tokens, accepted) for rank, tokens, accepted in run_ranks(_rank_main, (str(folder),), 2)}
     assert got[0][0] == plain and got[1][0] == plain
     assert got[0][1] > 0

@@ -1,9 +1,5 @@
 """Tensor parallel size 2 (two processes, gloo) gives transformers' greedy tokens; bad sizes are refused."""
 
-import multiprocessing as mp
-import queue
-import socket
-
 import pytest
 import torch
 
@@ -13,19 +9,14 @@ from protocol.model.config import ModelConfig
 from protocol.model.source import tiny_config
 from tests.worker.harness import Driver, hf_greedy, kv_config
 from tests.worker.parity_support import FAMILIES, MAX_NEW, RAGGED
+from tests.worker.rank_support import run_ranks
 from worker.model.tiny import write_model
 from worker.worker import Worker
 
 pytest.importorskip("transformers")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, folder: str, port: int, chunk: int, results, params: SamplingParams | None) -> None:
+def _rank_main(rank: int, port: int, results, folder: str, chunk: int, params: SamplingParams | None) -> None:
     torch.set_num_threads(1)
     config = engine_config(tensor_parallel_size=2, model=folder, max_model_len=256, dtype="float32",
                            kv_cache_memory_bytes=[1 << 26], check_block_tables=True)
@@ -46,29 +37,8 @@ def _rank_main(rank: int, folder: str, port: int, chunk: int, results, params: S
 
 
 def run_tp2(folder, chunk: int = 1 << 30, params: SamplingParams | None = None) -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, str(folder), port, chunk, results, params)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = {}
-        while len(got) < 2:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-            try:
-                rank, kv_heads, tokens = results.get(timeout=1)
-                got[rank] = (kv_heads, tokens)
-            except queue.Empty:
-                pass
-        return got
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    got = run_ranks(_rank_main, (str(folder), chunk, params), 2)
+    return {rank: (kv_heads, tokens) for rank, kv_heads, tokens in got}
 
 
 @pytest.mark.parametrize("name", ["llama3_tied", "qwen2_sliding"])
