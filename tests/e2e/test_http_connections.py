@@ -42,7 +42,7 @@ def test_idle_slowloris_and_short_body_connections_end_while_a_good_client_is_se
 
         assert wait_until(all_closed, 120)
         short.setblocking(True)
-        answer = short.recv(65536)
+        answer = b"".join(iter(lambda: short.recv(65536), b""))  # to the close: head and body may come apart
         assert answer.startswith(b"HTTP/1.1 408 ") and b"--http-body-timeout" in answer
         assert send(api, "POST", "/v1/completions", GOOD)[0] == 200
     finally:
