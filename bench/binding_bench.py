@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import sys
 
-from bench.timing import foreign_load, interleaved, wait_quiet
+from bench.timing import clean_round, foreign_load, interleaved
 
 BUSY_LOOP = "import os, sys; os.sched_setaffinity(0, [int(sys.argv[1])])\nwhile 1: pass"
 
@@ -58,17 +58,9 @@ def main() -> int:
 
 
 def make_run(bind: str, busy: bool, args: argparse.Namespace):
-    def run(r: int) -> float | None:
-        if not wait_quiet(args.max_foreign_load):
-            print(f"round {r + 1} {bind}: the machine never got quiet; skipped", file=sys.stderr)
-            return None
-        tok_s, foreign = run_bench(bind, busy, args)
-        allowed = args.max_foreign_load + (1.0 if busy else 0.0)  # the busy loop holds one core
-        kept = tok_s is not None and foreign <= allowed
-        print(f"round {r + 1} {bind} {'busy' if busy else 'idle'}: {tok_s} tok/s (other processes: {foreign:.2f} "
-              f"cores) {'kept' if kept else 'discarded'}", file=sys.stderr)
-        return tok_s if kept else None
-    return run
+    allowed = args.max_foreign_load + (1.0 if busy else 0.0)  # the busy loop holds one core
+    name = f"{bind} {'busy' if busy else 'idle'}"
+    return lambda r: clean_round(name, r, args.max_foreign_load, lambda: run_bench(bind, busy, args), allowed)
 
 
 def report(medians: dict[str, float], results: dict[str, list[float]]) -> None:

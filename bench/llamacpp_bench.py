@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.timing import foreign_load, interleaved, wait_quiet
+from bench.timing import clean_round, foreign_load, interleaved
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ["kvengine", "llamacpp"]
@@ -194,15 +194,7 @@ def main() -> int:
     prompts_file.write_text(json.dumps(make_prompts(args.batch_size, args.input_len, vocab, 0)))
 
     def clean_run(engine: str):
-        def run(r: int) -> dict | None:
-            if not wait_quiet(args.max_foreign_load):
-                print(f"round {r + 1} {engine}: the machine never got quiet; skipped", file=sys.stderr)
-                return None
-            times, foreign = run_round(engine, args, prompts_file)
-            verdict = "kept" if times and foreign <= args.max_foreign_load else "discarded"
-            print(f"round {r + 1} {engine}: {times} (other processes: {foreign:.2f} cores) {verdict}", file=sys.stderr)
-            return times if verdict == "kept" else None
-        return run
+        return lambda r: clean_round(engine, r, args.max_foreign_load, lambda: run_round(engine, args, prompts_file))
 
     report(interleaved({engine: clean_run(engine) for engine in engines}, args.rounds), args)
     return 0

@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.timing import foreign_load, interleaved, stopwatch, wait_quiet
+from bench.timing import clean_round, foreign_load, interleaved, stopwatch
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ["kvengine", "kvengine-2c", "vllm-default", "vllm-tuned", "vllm-tuned-compiled", "transformers"]
@@ -245,15 +245,8 @@ def main() -> int:
                                                     config["vocab_size"], 0)))
 
     def clean_run(engine: str):
-        def run(r: int) -> dict | None:
-            if not wait_quiet(args.max_foreign_load):
-                print(f"round {r + 1} {engine}: the machine never got quiet; skipped", file=sys.stderr)
-                return None
-            times, foreign = run_round(engine, args, model, str(prompts_file), variants.get(engine, ""))
-            verdict = "kept" if times and foreign <= args.max_foreign_load else "discarded"
-            print(f"round {r + 1} {engine}: {times} (other processes: {foreign:.2f} cores) {verdict}", file=sys.stderr)
-            return times if verdict == "kept" else None
-        return run
+        return lambda r: clean_round(engine, r, args.max_foreign_load, lambda: run_round(
+            engine, args, model, str(prompts_file), variants.get(engine, "")))
 
     report(interleaved({engine: clean_run(engine) for engine in engines}, args.rounds), args)
     return 0

@@ -7,6 +7,7 @@ Standard library only: a runner that another venv's python executes (peer_bench'
 import os
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -145,3 +146,18 @@ def wait_quiet(max_load: float, seconds: float = 60.0) -> bool:
         if cpu_busy_seconds() - before < max_load:
             return True
     return False
+
+
+def clean_round(name: str, r: int, max_load: float, run: Callable[[], tuple[T | None, float]],
+                allowed: float | None = None) -> T | None:
+    """Round r of one variant: run() gives (its result or None, the cores other processes used meanwhile). Skipped
+    when the machine never got quiet before it; kept when a result came and the others used at most `allowed` cores
+    (max_load unless given); a log line either way."""
+    if not wait_quiet(max_load):
+        print(f"round {r + 1} {name}: the machine never got quiet; skipped", file=sys.stderr)
+        return None
+    result, foreign = run()
+    kept = result is not None and foreign <= (max_load if allowed is None else allowed)
+    print(f"round {r + 1} {name}: {result} (other processes: {foreign:.2f} cores) {'kept' if kept else 'discarded'}",
+          file=sys.stderr)
+    return result if kept else None
