@@ -13,14 +13,9 @@ from prometheus_client import CollectorRegistry
 
 from engine_core.metrics import MAX_CONNECTIONS, EngineMetrics, MetricsServer
 from tests.e2e.conftest import ServerProcess
+from tests.e2e.serve_support import free_port
 
 LIVENESS_S = 60  # socket timeouts: only so that a broken server fails the test instead of hanging it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int, path: str = "/metrics") -> str:

@@ -20,15 +20,10 @@ from protocol.messages import HEARTBEAT_TIMEOUT, EngineHeartbeat, NodeHeartbeat
 from protocol.process.hosts import host_label, interface_with, source_address
 from protocol.process.worker_config import worker_configs
 from tests.e2e.conftest import processes_in_group, wait_exit, wait_until
+from tests.e2e.serve_support import free_port
 from tests.launch.executor_support import SILENT_WORKER
 
 TO_HEAD, FROM_HEAD = worker_to_engine_codec(), engine_to_worker_codec()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def two_host_config(port: int, node_rank: int = 0, tp: int = 2, **settings: object):

@@ -4,14 +4,9 @@ gathered from a queue, and every process stopped whatever happens."""
 import contextlib
 import multiprocessing as mp
 import queue
-import socket
 from collections.abc import Callable
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.e2e.serve_support import free_port
 
 
 def run_ranks(target: Callable, args: tuple, results_wanted: int, size: int = 2) -> list[tuple]:
