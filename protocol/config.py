@@ -145,8 +145,8 @@ class ParallelConfig(_Area, frozen=True):
     cpu_threads_bind: Annotated[str, setting(
         "CPU workers: the cores of each rank's torch threads. auto: this process's CPU affinity mask split evenly "
         "among the ranks (none left to the engine core, idle while the workers compute), one torch thread per core "
-        "while the cores are free and one fewer per core another process keeps busy (a thread sharing a core "
-        "stalls the others at every barrier); nobind: no pinning, mask size / tp threads; or one core list per "
+        "while the cores are free, one fewer per core another process keeps busy (a thread sharing a core "
+        "stalls the others at every barrier) and those pinned to the freest cores; nobind: no pinning, mask size / tp threads; or one core list per "
         "rank, e.g. 0-1|2-3 (as VLLM_CPU_OMP_THREADS_BIND), a fixed thread per core")
     ] = "auto"
     step_timeout: Annotated[float, Meta(ge=0), setting(

@@ -48,9 +48,9 @@ def main() -> int:
     to_engine = worker_to_engine_codec()
     worker = None
     try:
-        worker = start_worker(config)
+        worker, governor = start_worker(config, parent)
         sock.send(to_engine.encode(msgspec.structs.replace(worker.report_kv(), host=config.host)))
-        return serve(worker, config.rank, sock, parent, thread_governor(config, parent))
+        return serve(worker, config.rank, sock, parent, governor)
     except Exception as e:  # noqa: BLE001 -- any failure is reported to the engine core before exiting
         logger.error("Worker failed: %s", e)
         sock.send(to_engine.encode(WorkerError(config.rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
@@ -62,8 +62,9 @@ def main() -> int:
         ctx.term()
 
 
-def start_worker(config: WorkerConfig) -> "Worker":
-    """Pin the cores and the collective interface before torch starts its threads (they inherit the mask)."""
+def start_worker(config: WorkerConfig, parent: int) -> tuple["Worker", "ThreadGovernor | None"]:
+    """Pin the cores and the collective interface before torch starts its threads (they inherit the mask). The
+    governor's first reading spans the model load, so the first step already runs on the threads the cores allow."""
     if config.cpu_cores is not None:
         os.sched_setaffinity(0, config.cpu_cores)
     if config.engine.parallel.nnodes > 1:
@@ -71,9 +72,10 @@ def start_worker(config: WorkerConfig) -> "Worker":
     import torch
 
     torch.set_num_threads(config.torch_threads)
+    governor = thread_governor(config, parent)
     from worker.worker import Worker
 
-    return Worker(config.engine, config.rank, config.dist_init_method)
+    return Worker(config.engine, config.rank, config.dist_init_method), governor
 
 
 def thread_governor(config: WorkerConfig, parent: int) -> "ThreadGovernor | None":
