@@ -62,31 +62,43 @@ def task_cpu_seconds(pid: int) -> dict[int, tuple[int, float]]:
     return out
 
 
+def children_cpu_seconds(pid: int) -> float:
+    """User + system seconds of a process's children that ended and were waited for (a kernel build's compilers)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[13]) + int(fields[14])) / CLOCK_TICK
+
+
 class CoreLoad:
-    """Per core, the cores' worth of work that processes other than `own` did on it between two readings, niced
-    processes left out unless this one is niced too (then its own time is counted as niced)."""
+    """Per core, the cores' worth of work that processes other than `own` and their children did on it between two
+    readings, niced processes left out unless this one is niced too (then its own time is counted as niced)."""
 
     def __init__(self, cores: list[int], own: list[int]) -> None:
         self.cores, self.own = cores, own
         self.niced = os.nice(0) > 0
         self.last = self._now()
 
-    def _now(self) -> tuple[float, dict[int, float], dict[int, tuple[int, float]]]:
+    def _now(self) -> tuple[float, dict[int, float], dict[int, tuple[int, float]], float]:
         tasks = {tid: t for pid in self.own for tid, t in task_cpu_seconds(pid).items()}
-        return time.monotonic(), cores_busy_seconds(self.cores, self.niced), tasks
+        children = sum(children_cpu_seconds(pid) for pid in self.own)
+        return time.monotonic(), cores_busy_seconds(self.cores, self.niced), tasks, children
 
     def read(self) -> tuple[float, dict[int, float]]:
         """(foreign cores' worth on all the cores, per core): the total is exact; the split assumes each thread ran
-        where it was last seen, exact for pinned threads."""
+        where it was last seen, exact for pinned threads; children's time is left out of the total only."""
         now = self._now()
-        (t0, busy0, tasks0), (t1, busy1, tasks1) = self.last, now
+        (t0, busy0, tasks0, children0), (t1, busy1, tasks1, children1) = self.last, now
         self.last = now
         own = dict.fromkeys(self.cores, 0.0)
         for tid, (core, seconds) in tasks1.items():
             if core in own:
                 own[core] += seconds - tasks0.get(tid, (core, 0.0))[1]
         span = max(t1 - t0, 1e-9)
-        total = max(0.0, sum(busy1.values()) - sum(busy0.values()) - sum(own.values())) / span
+        own_total = sum(own.values()) + children1 - children0
+        total = max(0.0, sum(busy1.values()) - sum(busy0.values()) - own_total) / span
         return total, {c: max(0.0, busy1[c] - busy0[c] - own[c]) / span for c in self.cores}
 
 

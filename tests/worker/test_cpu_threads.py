@@ -71,6 +71,17 @@ def test_a_busy_process_counts_on_its_core_and_our_own_work_does_not():
         stop(busy)
 
 
+def test_our_children_that_ended_do_not_count():
+    """A kernel build's compilers are the worker's own work: after they end, they do not make the cores look taken."""
+    core = max(os.sched_getaffinity(0))
+    load = CoreLoad([core], [os.getpid()])
+    child = (f"import os, time; os.sched_setaffinity(0, [{core}])\n"
+             "end = time.monotonic() + 1.0\nwhile time.monotonic() < end: pass")
+    subprocess.run([sys.executable, "-c", child], check=True)
+    total, _ = load.read()
+    assert total <= 0.3
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
 def test_the_governor_drops_a_thread_and_pins_the_rest_away_from_a_busy_core():
     mask, threads = os.sched_getaffinity(0), torch.get_num_threads()
