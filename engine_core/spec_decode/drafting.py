@@ -43,14 +43,15 @@ class SpecDecoding:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * config.num_speculative_tokens
 
-    def drafts_for(self, request: Request) -> bool:
+    def may_draft(self, request: Request) -> bool:
+        """Whether the rejection sampler reproduces the request's sampling exactly (see above)."""
         return can_draft(request.sampling_params, len(request.output_token_ids))
 
     def draft(self, request: Request, num_new_tokens: int, token_budget: int, length_limit: int) -> list[int]:
         """A decoding request's drafts (one uncomputed token, none in flight), kept on request.spec_token_ids until
         the step's answer: at most budget - 1, and none past its length limit (the step gives 1 + len(drafts))."""
         drafts: list[int] = []
-        if num_new_tokens == 1 and not request.num_output_placeholders and self.drafts_for(request):
+        if num_new_tokens == 1 and not request.num_output_placeholders and self.may_draft(request):
             max_drafts = min(token_budget, length_limit - len(request.all_token_ids)) - 1
             drafts = self.proposer.propose(request.all_token_ids, max_drafts)
         request.spec_token_ids = drafts
