@@ -4,7 +4,7 @@
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -78,20 +78,56 @@ inline vfloat dot_bf16_pair(vfloat acc, const void* a, uint32_t b_pair) {
   return reinterpret_cast<vfloat>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), (__m512bh)_mm512_loadu_si512(a),
                                                    (__m512bh)_mm512_set1_epi32(static_cast<int>(b_pair))));
 }
+// 32 bf16 values of a and of b (b_too false: zeros, b not read) as pairs (a, b): lane l of lo holds value
+// 8 * (l / 4) + l % 4 of each, lane l of hi that value + 4 (the order of vpunpcklwd / vpunpckhwd in 128-bit lanes).
+inline void interleave_bf16(const void* a, const void* b, bool b_too, vint& lo, vint& hi) {
+  const __m512i x = _mm512_loadu_si512(a), y = _mm512_maskz_loadu_epi16(b_too ? ~__mmask32{0} : 0, b);
+  lo = reinterpret_cast<vint>(_mm512_unpacklo_epi16(x, y));
+  hi = reinterpret_cast<vint>(_mm512_unpackhi_epi16(x, y));
+}
+// dot_bf16_pair with a already in a register.
+inline vfloat dot_bf16_bits(vfloat acc, vint a, uint32_t b_pair) {
+  return reinterpret_cast<vfloat>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), reinterpret_cast<__m512bh>(a),
+                                                   (__m512bh)_mm512_set1_epi32(static_cast<int>(b_pair))));
+}
+// interleave_bf16's lanes (after a dot product) back in value order: values 0-15 (first) or 16-31.
+template <bool kFirst>
+inline vfloat deinterleave(vfloat lo, vfloat hi) {
+  if constexpr (kFirst) return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  return __builtin_shufflevector(lo, hi, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+// kLanes fp32 values as two bf16 terms, hi = x rounded (to nearest even) and lo = the rest rounded: hi + lo is x to
+// about 2^-17 of its magnitude.
+inline void store_bf16_split(uint16_t* hi, uint16_t* lo, vfloat x) {
+  const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+  const vfloat rest = x - reinterpret_cast<vfloat>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), h);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(rest)));
+}
 #else
 constexpr bool kBf16Dot = false;
 // Declared only: callers use them under `if constexpr (kBf16Dot)`, which discards the calls on other CPUs.
 vfloat dot_bf16(vfloat acc, const void* a, const void* b);
 vfloat dot_bf16_half(vfloat acc, const void* a, const void* b);
 vfloat dot_bf16_pair(vfloat acc, const void* a, uint32_t b_pair);
+void interleave_bf16(const void* a, const void* b, bool b_too, vint& lo, vint& hi);
+vfloat dot_bf16_bits(vfloat acc, vint a, uint32_t b_pair);
+template <bool kFirst>
+vfloat deinterleave(vfloat lo, vfloat hi);
+void store_bf16_split(uint16_t* hi, uint16_t* lo, vfloat x);
 #endif
 
 // kLanes bf16 values as fp32.
 inline vfloat load_bf16(const c10::BFloat16* p) {
+#if defined(__AVX512F__)  // one widening load (GCC 12 splits the generic conversion below into 256-bit pieces)
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return reinterpret_cast<vfloat>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+#else
   typedef uint16_t vbits __attribute__((vector_size(kVecBytes / 2)));
   vbits b;
   std::memcpy(&b, p, sizeof(b));
   return reinterpret_cast<vfloat>(__builtin_convertvector(b, vint) << 16);
+#endif
 }
 
 // n values as fp32; bf16 a vector at a time (its bits are the high half of an fp32).

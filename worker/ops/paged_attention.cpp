@@ -139,7 +139,8 @@ struct Shape {
 // for all rows in one vector: queries transposed, one broadcast key element per step. Narrow items
 // (decodes: the heads of one kv head) take per-row dot products, kLanes keys at a time, summed
 // across lanes by a transposed reduction. Either way, per step: scores, online-softmax step, then
-// acc += p * V in fp32, K and V of the blocks ahead prefetched (blocks are scattered).
+// acc += p * V in fp32 (narrow bf16 items with bf16 dot products: accumulate_paired), K and V of the blocks
+// ahead prefetched (blocks are scattered).
 // C is the cache's element type: T, or uint8_t for a quantized cache's codes.
 template <typename T, typename C, int kD>
 class ItemRunner {
@@ -154,7 +155,8 @@ class ItemRunner {
         kf_(std::is_same_v<C, float> ? 0 : static_cast<size_t>(s.block_size) * d_), vf_(kf_.size()),
         dot_(kDotT && d_ % 32 == 0), qbits_(dot_ ? static_cast<size_t>(d_) * kLanes : 0), qpairs_(qbits_.size()),
         codes_(code_reader(s.quant)), kbf_(kQuant && dot_ ? static_cast<size_t>(s.block_size) * d_ : 0),
-        vbf_(kQuant && kInRegisters ? static_cast<size_t>(span_blocks_ * s.block_size) * d_ : 0) {}
+        vbf_(kQuant && kInRegisters ? static_cast<size_t>(span_blocks_ * s.block_size) * d_ : 0),
+        pbf_(kPairedPV ? static_cast<size_t>(key_stride_) * 2 * kLanes : 0) {}
 
 
   void run(const Item& it, const Request& rq) {
@@ -240,7 +242,9 @@ class ItemRunner {
                        b0 == first ? block_of(v_head, b) : nullptr);
         }
         softmax_step_narrow(key_begin(b0), static_cast<int>((b1 - 1 - b0) * BS) + key_end(b1 - 1));
-        if constexpr (kInRegisters) {
+        if constexpr (kPairedPV) {
+          accumulate_paired(v_head, rq, b0, b1, last);
+        } else if constexpr (kInRegisters) {
           accumulate_in_registers(v_head, rq, b0, b1, last, key_stride_, 1);
         } else {
           for (int64_t b = b0; b < b1; ++b) {
@@ -576,13 +580,7 @@ class ItemRunner {
   void accumulate_in_registers(const C* v_head, const Request& rq, int64_t b0, int64_t b1, int64_t last,
                                int row_stride, int key_stride) {
     if constexpr (kInRegisters) {
-      if constexpr (kQuant) {  // the span's V codes as bf16 once, read by every group of rows
-        for (int64_t b = b0; b < b1; ++b) {
-          const C* from = v_head + (rq.blocks[b] * s_.block_size + key_begin(b)) * kD;
-          codes_to_bf16(from, vbf_.data() + ((b - b0) * s_.block_size + key_begin(b)) * kD,
-                        (key_end(b) - key_begin(b)) * kD, codes_);
-        }
-      }
+      widen_v_codes(v_head, rq, b0, b1);
       constexpr int kRows = std::clamp(16 / (kD / kLanes), 1, 4);
       const int rs = row_stride, ks = key_stride;
       int m0 = 0;
@@ -595,6 +593,107 @@ class ItemRunner {
       }
       if constexpr (kRows > 1) {
         if (m0 < rows_) accumulate_rows<1>(v_head, rq, b0, b1, m0, last, rs, ks);
+      }
+    }
+  }
+
+  // A quantized cache: the V codes of block columns [b0, b1) as bf16 in vbf_, once for every group of rows.
+  void widen_v_codes(const C* v_head, const Request& rq, int64_t b0, int64_t b1) {
+    if constexpr (kQuant) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const C* from = v_head + (rq.blocks[b] * s_.block_size + key_begin(b)) * kD;
+        codes_to_bf16(from, vbf_.data() + ((b - b0) * s_.block_size + key_begin(b)) * kD,
+                      (key_end(b) - key_begin(b)) * kD, codes_);
+      }
+    }
+  }
+
+  // Narrow items with bf16 dot products: P x V two keys per vdpbf16ps, the two keys' V rows interleaved once for all
+  // rows. Each probability is split into two bf16 terms (hi + lo: fp32 to about 2^-17), so P x V stays as exact as
+  // fp32 products summed in fp32, for two dot products a pair instead of one.
+  static constexpr bool kPairedPV = kDotT && kD > 0 && kD % 32 == 0;
+
+  void accumulate_paired(const C* v_head, const Request& rq, int64_t b0, int64_t b1, int64_t last) {
+    if constexpr (kPairedPV) {
+      widen_v_codes(v_head, rq, b0, b1);
+      round_probabilities(rq, b0, b1);
+      constexpr int kRows = std::max(1, 8 / (kD / 32));  // 2 * kRows * kD / 32 accumulators: 16 registers
+      int m0 = 0;
+      for (; m0 + kRows <= rows_; m0 += kRows) accumulate_pairs<kRows>(v_head, rq, b0, b1, m0, last);
+      accumulate_pairs_tail<kRows - 1>(v_head, rq, b0, b1, m0, last);
+    }
+  }
+
+  template <int kR>
+  void accumulate_pairs_tail(const C* v_head, const Request& rq, int64_t b0, int64_t b1, int m0, int64_t last) {
+    if constexpr (kR > 0) {
+      if (rows_ - m0 == kR) {
+        accumulate_pairs<kR>(v_head, rq, b0, b1, m0, last);
+      } else {
+        accumulate_pairs_tail<kR - 1>(v_head, rq, b0, b1, m0, last);
+      }
+    }
+  }
+
+  // pbf_[(2 * row + 0 or 1) * key_stride_ + t]: the probability of the span's key t, times its block's V scale, as
+  // store_bf16_split's hi and lo terms.
+  void round_probabilities(const Request& rq, int64_t b0, int64_t b1) {
+    if constexpr (kPairedPV) {
+      for (int m = 0; m < rows_; ++m) {
+        for (int64_t b = b0; b < b1; ++b) {  // in order: a block's last vector may spill into the next block's keys
+          const int64_t off = (b - b0) * s_.block_size;
+          const float* sc = scores_.data() + m * key_stride_ + off;
+          uint16_t* hi = pbf_.data() + 2 * m * key_stride_ + off;
+          const vfloat vs = splat(v_scale(rq, b));
+          for (int j = key_begin(b); j < key_end(b); j += kLanes) {
+            store_bf16_split(hi + j, hi + key_stride_ + j, load(sc + j) * vs);
+          }
+        }
+      }
+    }
+  }
+
+  // Rows [m0, m0 + kR) of accumulate_paired: lo/hi accumulators in interleave_bf16's lane order, put back in
+  // value order when added into acc_.
+  template <int kR>
+  void accumulate_pairs(const C* v_head, const Request& rq, int64_t b0, int64_t b1, int m0, int64_t last) {
+    constexpr int kC = kD / 32;
+    vfloat lo[kR][kC] = {}, hi[kR][kC] = {};
+    for (int64_t b = b0; b < b1; ++b) {
+      const C* ahead =
+          m0 == 0 && b + span_blocks_ <= last ? v_head + rq.blocks[b + span_blocks_] * s_.block_size * kD : nullptr;
+      const DotT* v = v_rows(v_head, rq, b, b0);
+      const uint16_t* p = pbf_.data() + 2 * m0 * key_stride_ + (b - b0) * s_.block_size;
+      const int j1 = key_end(b);
+      for (int j = key_begin(b); j < j1; j += 2) {  // keys j and j + 1 (two), or j alone
+        const bool two = j + 1 < j1;
+        if (ahead) prefetch(ahead + static_cast<int64_t>(j) * kD, 2 * kD);
+        uint32_t pm[kR][2];  // row m's probabilities of the keys as bf16 pairs: the hi terms, the lo terms
+        for (int m = 0; m < kR; ++m) {
+          for (int t = 0; t < 2; ++t) {
+            const uint16_t* pj = p + (2 * m + t) * key_stride_ + j;
+            pm[m][t] = pj[0] | (two ? uint32_t{pj[1]} << 16 : 0);
+          }
+        }
+#pragma GCC unroll 8
+        for (int c = 0; c < kC; ++c) {
+          vint vlo, vhi;
+          const DotT* vj = v + static_cast<int64_t>(j) * kD + c * 32;
+          interleave_bf16(vj, vj + kD, two, vlo, vhi);
+#pragma GCC unroll 8
+          for (int m = 0; m < kR; ++m) {
+            lo[m][c] = dot_bf16_bits(dot_bf16_bits(lo[m][c], vlo, pm[m][0]), vlo, pm[m][1]);
+            hi[m][c] = dot_bf16_bits(dot_bf16_bits(hi[m][c], vhi, pm[m][0]), vhi, pm[m][1]);
+          }
+        }
+      }
+    }
+    for (int m = 0; m < kR; ++m) {
+      float* acc = acc_.data() + (m0 + m) * kD;
+      const float alpha = alpha_[m0 + m];
+      for (int c = 0; c < kC; ++c) {
+        store(acc + c * 32, load(acc + c * 32) * alpha + deinterleave<true>(lo[m][c], hi[m][c]));
+        store(acc + c * 32 + kLanes, load(acc + c * 32 + kLanes) * alpha + deinterleave<false>(lo[m][c], hi[m][c]));
       }
     }
   }
@@ -707,6 +806,7 @@ class ItemRunner {
   const CodeReader codes_;
   std::vector<uint16_t> kbf_;  // quantized with dot_: a block's keys as bf16
   std::vector<uint16_t> vbf_;  // quantized, V in registers: a span's V as bf16
+  std::vector<uint16_t> pbf_;  // kPairedPV: each row's probabilities of a span as two bf16 terms
   float dot_scale_ = 0.0f;     // with dot_: the score scale times the block's K scale
   const float* k_scales_ = nullptr;  // quantized: this item's kv head's scales, by block id
   const float* v_scales_ = nullptr;
