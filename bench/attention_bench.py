@@ -4,6 +4,7 @@ and over a quantized KV cache (--kv-cache-dtype int8 / fp8_e4m3 / fp8_e5m2) agai
     python -m bench.attention_bench                  # built-in model shapes, 2 threads
     python -m bench.attention_bench --threads 1 --repeats 50
     python -m bench.attention_bench --only-kv-dtypes # just the quantized-cache table: decode 64 x context 4,096
+    python -m bench.attention_bench --shared-prefix 384 --heads 15 --kv-heads 5 --head-size 64  # just the prefix table
 
 Each case is one step of one layer: metadata is built once per step (its time is printed apart) and each
 layer call writes the step's K/V and attends. Figures are medians of repeats; they depend on the machine and
@@ -19,7 +20,7 @@ import torch
 from bench.timing import interleaved, medians, repeat, stopwatch
 from worker.attention import DECODE_CHUNK_BYTES, GatherBuffer, StepRequests, build_metadata, paged_attention
 from worker.kv_quant import KVCache, QuantizedKV, allocate, write_quantized
-from worker.ops.cpu_attention import build_cpu_metadata, cpu_paged_attention, load_extension
+from worker.ops.cpu_attention import build_cpu_metadata, cpu_paged_attention, load_extension, paged_attention_cpu
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 8, 4, 32, 16  # the built-in model
 
@@ -168,6 +169,37 @@ def kv_dtype_table(args) -> None:
               kv_dtype_rows(dtype, args.context, args.repeats, shape))
 
 
+def shared_prefix_table(args) -> None:
+    """One bf16 decode step over 32 layers' caches (together larger than the L3), 16 requests of 576 keys: blocks
+    all distinct, against the first --shared-prefix keys' blocks shared by every request (as after prefix-cache
+    hits, where vLLM's CPU decode gains). The two take turns within each round."""
+    heads, kv_heads, hd = args.heads, args.kv_heads, args.head_size
+    batch, context, layers = 16, 576, 32
+    nb, shared_nb = context // BLOCK_SIZE, args.shared_prefix // BLOCK_SIZE
+    g = torch.Generator().manual_seed(0)
+    caches = [torch.randn(2, kv_heads, batch * nb + 1, BLOCK_SIZE, hd, generator=g).bfloat16() for _ in range(layers)]
+    q = torch.randn(batch, heads, hd, generator=g).bfloat16()
+    query_start, seq_lens = torch.arange(batch + 1, dtype=torch.int32), torch.full((batch,), context, dtype=torch.int32)
+    distinct = torch.arange(1, batch * nb + 1, dtype=torch.int32).view(batch, nb)
+    shared = distinct.clone()
+    shared[:, :shared_nb] = distinct[0, :shared_nb]
+
+    def step(block_table: torch.Tensor) -> float:
+        with stopwatch() as lap:
+            for cache in caches:
+                paged_attention_cpu(q, cache, block_table, query_start, seq_lens, -1, hd**-0.5)
+        return lap.wall * 1e3
+
+    ms = medians(interleaved({"distinct": lambda _: step(distinct), "shared prefix": lambda _: step(shared)},
+                             args.repeats))
+    kv = {"distinct": batch * nb, "shared prefix": shared_nb + batch * (nb - shared_nb)}
+    rows = [[name, f"{kv[name] * BLOCK_SIZE * 2 * kv_heads * hd * 2 * layers / 2**20:.0f} MiB", f"{ms[name]:.1f}",
+             f"{ms['distinct'] / ms[name]:.2f}x"] for name in ms]
+    table(f"decode step, {batch} x {context} keys, {layers} layers, {heads}/{kv_heads} heads x {hd}, bf16, kernel "
+          f"attend only, {args.threads} threads, median of {args.repeats} interleaved rounds (ms)",
+          ["blocks", "K/V read", "step", "speed-up"], rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -177,11 +209,18 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=HEADS, help="the KV dtype table's q heads")
     ap.add_argument("--kv-heads", type=int, default=KV_HEADS, help="the KV dtype table's KV heads")
     ap.add_argument("--head-size", type=int, default=HEAD_SIZE, help="the KV dtype table's head size")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="only the shared-prefix table (with --heads, --kv-heads, --head-size): keys shared by all")
     args = ap.parse_args()
+    if args.shared_prefix and (args.shared_prefix % BLOCK_SIZE or args.shared_prefix >= 576):
+        ap.error(f"--shared-prefix must be a multiple of the block size {BLOCK_SIZE} below the context 576")
     torch.set_num_threads(args.threads)
     with stopwatch() as lap:
         load_extension()
     print(f"extension ready in {lap.wall:.1f} s (compiles on first use on a machine)")
+    if args.shared_prefix:
+        shared_prefix_table(args)
+        return
     kv_dtype_table(args)
     if args.only_kv_dtypes:
         return
