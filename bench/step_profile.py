@@ -84,10 +84,11 @@ def profiled_run(folder: str, threads: int, batch: int, prompt_len: int, decode_
     from worker.worker import Worker
 
     torch.set_num_threads(threads)
-    config = engine_config(model=folder, max_model_len=prompt_len + 2 * steps + 16, max_num_seqs=batch + 1,
+    model_len = max(prompt_len, decode_context) + 2 * steps + 16
+    config = engine_config(model=folder, max_model_len=model_len, max_num_seqs=batch + 1,
                            max_num_batched_tokens=max(batch * decode_context, prompt_len), kv_cache_memory_bytes=[2 << 30])
     w = Worker(config)
-    cfg = kv_config(w, (batch + 2) * -(-(prompt_len + 2 * steps + 16) // 16) + 1)
+    cfg = kv_config(w, (batch + 2) * -(-model_len // 16) + 1)
     w.init_kv_cache(cfg)
     for cache in w.runner.kv.kv_tensors:  # its pages are zeroed on first write (worker/memory.py): not a step's cost
         if isinstance(cache, torch.Tensor):
@@ -95,8 +96,8 @@ def profiled_run(folder: str, threads: int, batch: int, prompt_len: int, decode_
     label_parts(w)
     rng = random.Random(2)
 
-    def prompts(n: int) -> list[list[int]]:
-        return [[rng.randrange(3, 1000) for _ in range(prompt_len)] for _ in range(n)]
+    def prompts(n: int, length: int = prompt_len) -> list[list[int]]:
+        return [[rng.randrange(3, 1000) for _ in range(length)] for _ in range(n)]
 
     driver = Driver(w, cfg, prefix_caching=False)
     driver.run(prompts(1), 2)  # warm-up: the kernels built per shape
@@ -104,7 +105,7 @@ def profiled_run(folder: str, threads: int, batch: int, prompt_len: int, decode_
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         driver.step_once([Req("prefill", prompts(1)[0], 1, params)], [])
     report(f"prefill of one {prompt_len}-token prompt", prof, sum(timed.wall))
-    reqs = [Req(f"d{i}", p[:decode_context], steps + 1, params) for i, p in enumerate(prompts(batch))]
+    reqs = [Req(f"d{i}", p, steps + 1, params) for i, p in enumerate(prompts(batch, decode_context))]
     driver.step_once(reqs, [])  # their prefill, unprofiled
     timed.clear()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
