@@ -23,6 +23,7 @@ from worker.kv_quant import KVCache, QuantizedKV, allocate, write_quantized
 from worker.ops.cpu_attention import build_cpu_metadata, cpu_paged_attention, load_extension, paged_attention_cpu
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 8, 4, 32, 16  # the built-in model
+PREFIX_BATCH, PREFIX_CONTEXT, PREFIX_LAYERS = 16, 576, 32  # the shared-prefix table's decode step
 
 
 def table(title: str, header: list[str], rows: list[list]) -> None:
@@ -174,7 +175,7 @@ def shared_prefix_table(args) -> None:
     all distinct, against the first --shared-prefix keys' blocks shared by every request (as after prefix-cache
     hits, where vLLM's CPU decode gains). The two take turns within each round."""
     heads, kv_heads, hd = args.heads, args.kv_heads, args.head_size
-    batch, context, layers = 16, 576, 32
+    batch, context, layers = PREFIX_BATCH, PREFIX_CONTEXT, PREFIX_LAYERS
     nb, shared_nb = context // BLOCK_SIZE, args.shared_prefix // BLOCK_SIZE
     g = torch.Generator().manual_seed(0)
     caches = [torch.randn(2, kv_heads, batch * nb + 1, BLOCK_SIZE, hd, generator=g).bfloat16() for _ in range(layers)]
@@ -212,8 +213,8 @@ def main() -> None:
     ap.add_argument("--shared-prefix", type=int, default=0,
                     help="only the shared-prefix table (with --heads, --kv-heads, --head-size): keys shared by all")
     args = ap.parse_args()
-    if args.shared_prefix and (args.shared_prefix % BLOCK_SIZE or args.shared_prefix >= 576):
-        ap.error(f"--shared-prefix must be a multiple of the block size {BLOCK_SIZE} below the context 576")
+    if args.shared_prefix and (args.shared_prefix % BLOCK_SIZE or args.shared_prefix >= PREFIX_CONTEXT):
+        ap.error(f"--shared-prefix must be a multiple of the block size {BLOCK_SIZE} below the context {PREFIX_CONTEXT}")
     torch.set_num_threads(args.threads)
     with stopwatch() as lap:
         load_extension()

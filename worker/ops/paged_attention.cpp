@@ -660,8 +660,7 @@ class ItemRunner {
     constexpr int kC = kD / 32;
     vfloat lo[kR][kC] = {}, hi[kR][kC] = {};
     for (int64_t b = b0; b < b1; ++b) {
-      const C* ahead =
-          m0 == 0 && b + span_blocks_ <= last ? v_head + rq.blocks[b + span_blocks_] * s_.block_size * kD : nullptr;
+      const C* ahead = m0 == 0 ? v_ahead(v_head, rq, b, last) : nullptr;  // the first group of rows prefetches
       const DotT* v = v_rows(v_head, rq, b, b0);
       const uint16_t* p = pbf_.data() + 2 * m0 * key_stride_ + (b - b0) * s_.block_size;
       const int j1 = key_end(b);
@@ -698,6 +697,11 @@ class ItemRunner {
     }
   }
 
+  // The V block a span ahead of block column b, to prefetch while b is read (null past the last column).
+  const C* v_ahead(const C* v_head, const Request& rq, int64_t b, int64_t last) const {
+    return b + span_blocks_ <= last ? v_head + rq.blocks[b + span_blocks_] * s_.block_size * kD : nullptr;
+  }
+
   // Block column b's V rows for accumulate_rows: the cache block, or a quantized block's bf16 copy in vbf_.
   const DotT* v_rows(const C* v_head, const Request& rq, int64_t b, int64_t b0) const {
     if constexpr (kQuant) {
@@ -719,8 +723,7 @@ class ItemRunner {
       }
     }
     for (int64_t b = b0; b < b1; ++b) {
-      const C* ahead =
-          m0 == 0 && b + span_blocks_ <= last ? v_head + rq.blocks[b + span_blocks_] * s_.block_size * kD : nullptr;
+      const C* ahead = m0 == 0 ? v_ahead(v_head, rq, b, last) : nullptr;  // the first group of rows prefetches
       const DotT* v = v_rows(v_head, rq, b, b0);
       const float vs = v_scale(rq, b);
       const float* p = scores_.data() + m0 * row_stride + (b - b0) * s_.block_size * key_stride;
