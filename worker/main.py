@@ -72,6 +72,10 @@ def start_worker(config: WorkerConfig, parent: int) -> tuple["Worker", "ThreadGo
     import torch
 
     torch.set_num_threads(config.torch_threads)
+    if config.engine.parallel.device == "cpu":
+        from worker.cpu_malloc import keep_freed_memory
+
+        keep_freed_memory()
     governor = thread_governor(config, parent)
     from worker.worker import Worker
 

@@ -64,6 +64,7 @@ def test_sliding_window_model_served_with_two_ranks_matches_in_process_engine(st
     server = start_server("--model", model, "-tp", "2", *FP32, *SMALL)
     asyncio.run(server.wait_ready())
     assert "in 2 group(s)" in server.output()
+    assert server.output().count("freed activations stay mapped") == 2  # worker/cpu_malloc.py, on each rank
     batch = prompts(8, seed=21, lo=30, hi=80)  # longer than the window
     results = asyncio.run(generate_all(server.address, batch))
     assert [tokens for tokens, _ in results] == in_process_greedy(batch, GREEDY, model=model, dtype="float32")
