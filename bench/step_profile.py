@@ -1,7 +1,8 @@
 """Where a worker step's time goes on a real-size model: the share of each part (linear matmuls, LM head, sampler,
-attention, norms, rotary, silu * up, the rest) in decode steps at a batch and in the prefill of one prompt.
+attention, norms, rotary, silu * up, the rest) in decode steps at a batch and in the prefill of a step's prompts.
 
     python -m bench.step_profile --model DIR [--threads 2] [--batch 64 --decode-context 256] [--prompt-len 512]
+                                 [--prefill-prompts 4]
 
 It drives one Worker in this process (tests/worker/harness.py's Driver, no engine core) under torch.profiler, the
 C++ extension's functions, the LM head and the sampler wrapped in labelled ranges. Shares are of the profiled
@@ -78,17 +79,20 @@ def unlabelled_top(prof, n: int = 6) -> str:
     return ", ".join(f"{e.key} {e.self_cpu_time_total / 1e3:.1f} ms" for e in rows[:n])
 
 
-def profiled_run(folder: str, threads: int, batch: int, prompt_len: int, decode_context: int, steps: int,
-                 params: SamplingParams) -> None:
+def profiled_run(folder: str, threads: int, batch: int, prompt_len: int, prefill_prompts: int, decode_context: int,
+                 steps: int, params: SamplingParams) -> None:
     from tests.worker.harness import Driver, Req, kv_config
+    from worker.cpu_malloc import keep_freed_memory
     from worker.worker import Worker
 
     torch.set_num_threads(threads)
+    keep_freed_memory()  # as a served CPU worker does
     model_len = max(prompt_len, decode_context) + 2 * steps + 16
-    config = engine_config(model=folder, max_model_len=model_len, max_num_seqs=batch + 1,
-                           max_num_batched_tokens=max(batch * decode_context, prompt_len), kv_cache_memory_bytes=[2 << 30])
+    config = engine_config(model=folder, max_model_len=model_len, max_num_seqs=batch + prefill_prompts,
+                           max_num_batched_tokens=max(batch * decode_context, prefill_prompts * prompt_len),
+                           kv_cache_memory_bytes=[2 << 30])
     w = Worker(config)
-    cfg = kv_config(w, (batch + 2) * -(-model_len // 16) + 1)
+    cfg = kv_config(w, (batch + prefill_prompts + 1) * -(-model_len // 16) + 1)
     w.init_kv_cache(cfg)
     for cache in w.runner.kv.kv_tensors:  # its pages are zeroed on first write (worker/memory.py): not a step's cost
         if isinstance(cache, torch.Tensor):
@@ -103,8 +107,8 @@ def profiled_run(folder: str, threads: int, batch: int, prompt_len: int, decode_
     driver.run(prompts(1), 2)  # warm-up: the kernels built per shape
     timed = w.execute_model = CallTimes(w.execute_model)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        driver.step_once([Req("prefill", prompts(1)[0], 1, params)], [])
-    report(f"prefill of one {prompt_len}-token prompt", prof, sum(timed.wall))
+        driver.step_once([Req(f"prefill{i}", p, 1, params) for i, p in enumerate(prompts(prefill_prompts))], [])
+    report(f"prefill of {prefill_prompts} x {prompt_len}-token prompts in one step", prof, sum(timed.wall))
     reqs = [Req(f"d{i}", p, steps + 1, params) for i, p in enumerate(prompts(batch, decode_context))]
     driver.step_once(reqs, [])  # their prefill, unprofiled
     timed.clear()
@@ -129,6 +133,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--prefill-prompts", type=int, default=1, help="prompts of the profiled prefill step")
     p.add_argument("--decode-context", type=int, default=256, help="prompt tokens of the decoding requests")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--temperature", type=float, default=0.0, help="of every request (0: greedy)")
@@ -137,7 +142,8 @@ def main() -> int:
     args = p.parse_args()
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_tokens=1 << 20,
                             ignore_eos=True)
-    profiled_run(args.model, args.threads, args.batch, args.prompt_len, args.decode_context, args.steps, params)
+    profiled_run(args.model, args.threads, args.batch, args.prompt_len, args.prefill_prompts, args.decode_context,
+                 args.steps, params)
     return 0
 
 
