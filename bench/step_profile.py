@@ -86,12 +86,12 @@ def profiled_run(folder: str, threads: int, batch: int, prompt_len: int, prefill
     from worker.worker import Worker
 
     torch.set_num_threads(threads)
-    keep_freed_memory()  # as a served CPU worker does
     model_len = max(prompt_len, decode_context) + 2 * steps + 16
     config = engine_config(model=folder, max_model_len=model_len, max_num_seqs=batch + prefill_prompts,
                            max_num_batched_tokens=max(batch * decode_context, prefill_prompts * prompt_len),
                            kv_cache_memory_bytes=[2 << 30])
     w = Worker(config)
+    keep_freed_memory()  # after the load, as a served CPU worker does
     cfg = kv_config(w, (batch + prefill_prompts + 1) * -(-model_len // 16) + 1)
     w.init_kv_cache(cfg)
     for cache in w.runner.kv.kv_tensors:  # its pages are zeroed on first write (worker/memory.py): not a step's cost

@@ -72,14 +72,15 @@ def start_worker(config: WorkerConfig, parent: int) -> tuple["Worker", "ThreadGo
     import torch
 
     torch.set_num_threads(config.torch_threads)
-    if config.engine.parallel.device == "cpu":
-        from worker.cpu_malloc import keep_freed_memory
-
-        keep_freed_memory()
     governor = thread_governor(config, parent)
     from worker.worker import Worker
 
-    return Worker(config.engine, config.rank, config.dist_init_method), governor
+    worker = Worker(config.engine, config.rank, config.dist_init_method)
+    if config.engine.parallel.device == "cpu":
+        from worker.cpu_malloc import keep_freed_memory
+
+        keep_freed_memory()  # after the load, so that what loading freed goes back to the OS
+    return worker, governor
 
 
 def thread_governor(config: WorkerConfig, parent: int) -> "ThreadGovernor | None":
