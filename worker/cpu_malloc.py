@@ -6,11 +6,10 @@ it on free, and trims the heap's free top. A step's large activations (64 MiB ou
 step: 9% of that step's time, most of it inside the matmuls' first writes. With mmap off (the heap grows instead) and
 trimming off, freed activations stay mapped and are reused, as tcmalloc or jemalloc would keep them. It is turned on
 once the model is loaded (what loading freed, 0.7 GiB on that shape, would otherwise stay too). The cost: the worker
-holds its peak activation memory (on that shape about 0.15 GiB more resident between steps). Without glibc's mallopt
+holds its peak activation memory (on that shape about 0.13 GiB more resident between steps). Without glibc's mallopt
 it is left as it is, said at debug level."""
 
 import ctypes
-import ctypes.util
 import logging
 
 logger = logging.getLogger(__name__)
@@ -21,8 +20,7 @@ M_MMAP_MAX = -4
 def keep_freed_memory() -> bool:
     """Turn glibc's mmap of large blocks and heap trimming off in this process; whether that took effect."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the C library this process already runs on
     except (OSError, AttributeError):
         logger.debug("no glibc mallopt here: freed memory goes back to the OS as the C library decides")
         return False

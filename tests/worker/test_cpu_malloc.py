@@ -12,7 +12,7 @@ import sys, torch
 from worker.cpu_malloc import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
-n = 24 << 20  # 96 MiB of int32: over glibc's 32 MiB mmap ceiling and its 64 MiB heap size
+n = 24 << 20  # 96 MiB of int32: over glibc's 32 MiB mmap ceiling
 a = torch.full((n,), 7, dtype=torch.int32)
 ptr = a.data_ptr()
 del a
