@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 
+import bench  # noqa: F401  (the checkout's root on the path for tests/, run as a file too)
 from engine_core.core import EngineCore
 from engine_core.executor.reference_executor import ReferenceExecutor
 from engine_core.kv_cache.manager import KVCacheBlocks, KVCacheManager
