@@ -2,7 +2,8 @@
 served model's vocabulary.
 
 JSON (a schema, or any object) allows at most one space where JSON allows whitespace, so a model cannot spend its
-tokens on whitespace: even a random-weight one finishes a schema within a few hundred tokens.
+tokens on whitespace: even a random-weight one finishes a schema within a few hundred tokens. A schema's objects
+take only the properties they list unless they say otherwise (closed_schema.py), as in vLLM's default backend.
 """
 
 import json
@@ -11,6 +12,7 @@ import threading
 
 import llguidance
 
+from engine_core.structured_output.closed_schema import closed_objects
 from engine_core.structured_output.vocabulary import tokenizer_json
 from protocol import StructuredOutputsParams
 
@@ -40,7 +42,7 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
     kind = params.kind
     try:
         if kind == "json":
-            return llguidance.LLMatcher.grammar_from_json_schema(json.loads(params.json or ""),
+            return llguidance.LLMatcher.grammar_from_json_schema(closed_objects(json.loads(params.json or "")),
                                                                   defaults=JSON_OPTIONS)  # type: ignore[arg-type]
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
