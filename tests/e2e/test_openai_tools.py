@@ -114,6 +114,12 @@ def test_auto_tool_choice_needs_the_server_flags(start_server):
     forced = api.request("POST", "/v1/chat/completions", {"messages": ASK, "tools": TOOLS, "max_tokens": 300,
                                                           "tool_choice": "required", "seed": 3})
     assert forced[0] == 200 and forced[1]["choices"][0]["message"]["tool_calls"]  # forced calls need no parser
+    name = TOOLS[0]["function"]["name"]
+    cut = api.request("POST", "/v1/chat/completions", {"messages": ASK, "tools": TOOLS, "max_tokens": 3,
+                                                      "tool_choice": {"type": "function", "function": {"name": name}}})
+    choice = cut[1]["choices"][0]  # cut off by max_tokens: the unfinished JSON as content, no call
+    assert choice["finish_reason"] == "length" and choice["message"]["content"].startswith("{")
+    assert not choice["message"].get("tool_calls")
 
 
 def test_smollm2_tool_calls(start_server):
