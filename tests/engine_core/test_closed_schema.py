@@ -40,6 +40,7 @@ def test_an_object_that_lists_properties_is_closed_at_every_depth():
     assert props["owner"]["additionalProperties"] is False
     assert props["tags"]["items"]["additionalProperties"] is False
     assert props["pair"]["prefixItems"][0]["additionalProperties"] is False
+    assert props["pair"]["items"] is False  # a tuple takes only the items it lists
     assert props["either"]["anyOf"][0]["additionalProperties"] is False
     assert out["$defs"]["thing"]["additionalProperties"] is False
     assert "additionalProperties" not in props["ref"]  # a bare $ref: its target is closed in $defs
@@ -49,6 +50,12 @@ def test_an_object_that_lists_properties_is_closed_at_every_depth():
                                   {"unevaluatedProperties": True}, {"additionalProperties": False}])
 def test_an_object_that_says_what_else_it_takes_keeps_it(says):
     assert closed_objects({**TOOL, **says}) == {**TOOL, **says}
+
+
+@pytest.mark.parametrize("says", [{"items": True}, {"items": {"type": "integer"}}, {"unevaluatedItems": True}])
+def test_a_tuple_that_says_what_else_it_takes_keeps_it(says):
+    pair = {"type": "array", "prefixItems": [{"type": "string"}], **says}
+    assert closed_objects(pair) == pair
 
 
 def test_intersections_and_names_are_left_as_they_are():
@@ -73,3 +80,5 @@ def test_the_grammar_refuses_a_property_the_schema_does_not_list():
     nested = {"type": "object", "properties": {"where": TOOL}, "required": ["where"]}
     assert accepts(nested, '{"where": {"city": "Rome"}}')
     assert not accepts(nested, '{"where": {"city": "Rome", "zip": 1}}')
+    pair = {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}]}
+    assert accepts(pair, '["a", 1]') and not accepts(pair, '["a", 1, 2]')
