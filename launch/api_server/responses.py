@@ -47,7 +47,9 @@ async def responses(request: Request) -> Response:
         return event_stream(_events(shell, generation, tools, len(prompt)))
     wholes, finals = await until_disconnected(request, collect(generation, 1))
     content, calls = tools.calls(wholes[0].text)
-    output = ([message_item(content or "")] if content is not None or not calls else []) + [call_item(c) for c in calls]
+    message = [message_item(content or "", item_status(finals[0].finish_reason))] if content is not None or not calls \
+        else []
+    output = message + [call_item(c) for c in calls]
     return json_response(shell.object(output, finals[0].finish_reason, usage(len(prompt), finals[0])))
 
 
@@ -82,8 +84,13 @@ class Shell:
                 "metadata": req.metadata or {}, "usage": usage}
 
 
+def item_status(finish_reason: str | None) -> str:
+    """An output item's status: incomplete where max_output_tokens cut the answer off, as OpenAI marks it."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
 def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
-    part = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+    part = [{"type": "output_text", "text": text, "annotations": []}] if status != "in_progress" else []
     return {"type": "message", "id": item_id or f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
             "content": part}
 
@@ -117,7 +124,8 @@ async def _events(shell: Shell, generation: Generation, tools: ToolAnswer, input
             yield stream.event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
                                delta=delta["content"])
         if piece.finish_reason is not None:
-            output = [message_item(text, item_id=message_id)] if text or not delta.get("tool_calls") else []
+            output = [message_item(text, item_status(piece.finish_reason), message_id)] \
+                if text or not delta.get("tool_calls") else []
             for event in _closing(stream, output, text, delta.get("tool_calls") or []):
                 yield event
             done = shell.object(output, finish_reason, usage(input_tokens, piece))

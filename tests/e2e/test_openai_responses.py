@@ -26,6 +26,10 @@ def test_responses_text_tools_and_stream(start_server):
     text = client.responses.create(model=model, input="Say hello.", instructions="Be brief.", max_output_tokens=16,
                                    temperature=0)
     assert text.status in ("completed", "incomplete") and text.output[0].type == "message"
+    assert text.output[0].status == text.status  # a message cut off by max_output_tokens is incomplete too
+    cut = client.responses.create(model=model, input="Say hello.", max_output_tokens=2, temperature=0)
+    assert cut.status == cut.output[0].status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.output_text and cut.usage.output_tokens == 2
     assert text.output[0].content[0].type == "output_text" and text.output_text == text.output[0].content[0].text
     assert text.usage.output_tokens > 0 and text.usage.input_tokens > 0
 
@@ -37,6 +41,7 @@ def test_responses_text_tools_and_stream(start_server):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert streamed == text.output_text == events[-1].response.output_text  # temperature 0: the same text
+    assert events[-1].response.output[0].status == events[-1].response.status == text.status
 
     forced = client.responses.create(model=model, input="Weather in Paris?", tools=TOOLS, tool_choice="required",
                                      temperature=1.0, max_output_tokens=300)
