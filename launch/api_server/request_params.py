@@ -9,7 +9,7 @@ from collections.abc import Callable
 from launch.api_server.errors import ApiError, bad_param
 from launch.api_server.prompts import max_tokens_for
 from protocol import SamplingParams, StructuredOutputsParams
-from protocol.sampling import MAX_LOGIT_BIAS
+from protocol.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 Encode = Callable[[str, bool], list[int]]  # text, add_special_tokens -> token ids
 
@@ -55,6 +55,8 @@ def requested_logprobs(req) -> int | None:
     if hasattr(req, "messages"):
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs")
         return (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs is not None:
         raise ApiError(400, "top_logprobs is a chat parameter; completions take logprobs=k", "top_logprobs")

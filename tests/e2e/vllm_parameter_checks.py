@@ -229,6 +229,8 @@ def check_logprobs(api, path="/v1/completions"):
 def check_top_logprobs(api, path="/v1/chat/completions"):
     content = ok(api, path, logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
     assert all(len(e["top_logprobs"]) == 2 for e in content["content"])
+    status, body = post(api, path, logprobs=True, top_logprobs=21)  # named as the chat field, not as the engine's
+    assert status == 400 and body["error"]["param"] == "top_logprobs" and "top_logprobs" in body["error"]["message"]
 
 
 def check_prompt_logprobs(api, path="/v1/completions"):
