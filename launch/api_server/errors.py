@@ -39,6 +39,9 @@ def bad_body(error: msgspec.DecodeError) -> ApiError:
     return ApiError(400, f"invalid request: {error}", match[1] if match else None)
 
 
-def bad_param(error: ValueError) -> ApiError:
-    """A SamplingParams refusal: its message starts with the parameter's name."""
-    return ApiError(400, str(error), str(error).split(" ", 1)[0])
+def bad_param(error: ValueError, names: dict[str, str] | None = None) -> ApiError:
+    """A SamplingParams refusal: its message starts with the parameter's name, shown as the request's field (names:
+    SamplingParams name -> the request's, where they differ)."""
+    name, _, rest = str(error).partition(" ")
+    field = (names or {}).get(name, name)
+    return ApiError(400, f"{field} {rest}", field)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from launch.api_server.errors import ApiError, bad_param
 from launch.api_server.prompts import max_tokens_for
 from protocol import SamplingParams, StructuredOutputsParams
-from protocol.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from protocol.sampling import MAX_LOGIT_BIAS
 
 Encode = Callable[[str, bool], list[int]]  # text, add_special_tokens -> token ids
 
@@ -30,8 +30,8 @@ def engine_params(req, prompt: list[int], max_tokens: int | None, max_model_len:
             bad_words_token_ids=bad_words_token_ids(req.bad_words, encode), n=_or(req.n, 1), best_of=req.best_of,
             structured_outputs=structured,
         )
-    except ValueError as e:
-        raise bad_param(e) from None
+    except ValueError as e:  # a chat's alternatives per token are its top_logprobs
+        raise bad_param(e, {"logprobs": "top_logprobs"} if hasattr(req, "messages") else None) from None
 
 
 def _or(value, default):
@@ -55,8 +55,6 @@ def requested_logprobs(req) -> int | None:
     if hasattr(req, "messages"):
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs")
         return (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs is not None:
         raise ApiError(400, "top_logprobs is a chat parameter; completions take logprobs=k", "top_logprobs")
