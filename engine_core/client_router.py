@@ -257,7 +257,8 @@ class ClientRouter:
                 self.backlogs.pop(identity, None)
 
     def _try_send(self, identity: bytes, msg: EngineCoreOutputs) -> bool:
-        """False if the client's pipe is full. A gone client's message is dropped (its requests are aborted)."""
+        """False if the client's pipe is full. A gone client's message is dropped, and the client is queued as
+        gone (its requests are aborted) also when no monitor event names it: SRCFD may name a reused descriptor."""
         try:
             self.sock.send(identity, zmq.NOBLOCK | zmq.SNDMORE)  # raises here, before encoding, if full or gone
         except zmq.Again:
@@ -266,6 +267,7 @@ class ClientRouter:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
             self.forget(identity)
+            self.inbox.append((identity, None))
             return True
         self.sock.send(self.outputs_codec.encode(msg), zmq.NOBLOCK)
         return True

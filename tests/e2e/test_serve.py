@@ -173,13 +173,15 @@ def test_garbage_on_the_input_socket_does_not_stop_the_server(start_server):
 
 
 def test_a_disconnected_client_has_its_requests_aborted(start_server):
-    server = start_server(*SMALL)
+    # A request of 4,000 steps (some 6 s on 2 cores) is still running when the server reads the disconnect, also
+    # on a loaded machine: one that ended by length would also leave the engine idle.
+    server = start_server("--max-model-len", "4096", "--kv-cache-memory-bytes", "16MiB")
     asyncio.run(server.wait_ready())
 
     async def leave_mid_request():
         client = AsyncEngineClient(server.address)
         await client.start()
-        stream = client.generate(prompts(1)[0], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+        stream = client.generate(prompts(1)[0], SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True))
         await stream.__anext__()
         client._sock.close(linger=0)  # vanish without an abort, as a crashed client would
 
@@ -194,8 +196,8 @@ def test_a_disconnected_client_has_its_requests_aborted(start_server):
 
     asyncio.run(leave_mid_request())
     stats = asyncio.run(wait_idle())
-    assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0.0
-    assert "A client disconnected; aborting its 1 request(s)" in server.output()
+    assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0.0, stats
+    assert "A client disconnected; aborting its 1 request(s)" in server.output(), server.output()
 
 
 @pytest.mark.parametrize(
