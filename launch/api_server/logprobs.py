@@ -22,7 +22,9 @@ def token_shower(decode: Decode, as_token_ids: bool) -> Show:
 
 def completion_logprobs(show: Show, token_ids: list[int], logprobs: list[TokenLogprobs | None], offset: int) -> dict:
     """{tokens, token_logprobs, top_logprobs, text_offset}; offset: where this piece's text starts in the choice.
-    A None entry (an echoed prompt's first token) has null log-probabilities."""
+    A None entry (an echoed prompt's first token) has null log-probabilities. Each top_logprobs map holds the
+    chosen token and the k most likely (k + 1 entries when the chosen is not among them), as OpenAI's legacy
+    completions and vLLM give it."""
     tokens = [show(t) for t in token_ids]
     offsets = []
     for token in tokens:
@@ -31,11 +33,16 @@ def completion_logprobs(show: Show, token_ids: list[int], logprobs: list[TokenLo
     return {
         "tokens": tokens,
         "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
-        "top_logprobs": [None if lp is None else {show(t): p for t, p in zip(lp.top_token_ids, lp.top_logprobs,
-                                                                              strict=True)}
-                         for lp in logprobs],
+        "top_logprobs": [None if lp is None else top_map(show, t, lp) for t, lp in zip(token_ids, logprobs,
+                                                                                       strict=True)],
         "text_offset": offsets,
     }
+
+
+def top_map(show: Show, token_id: int, lp: TokenLogprobs) -> dict[str, float]:
+    """The chosen token first, then the k most likely (a token shown as the same text keeps the later value)."""
+    pairs = [(token_id, lp.logprob), *zip(lp.top_token_ids, lp.top_logprobs, strict=True)]
+    return {show(t): p for t, p in pairs}
 
 
 def chat_logprobs(show: Show, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict:

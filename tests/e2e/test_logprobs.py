@@ -70,6 +70,13 @@ def test_http_logprobs_in_openais_completion_and_chat_shapes(start_server):
     assert all(1 <= len(top) <= 2 and max(top.values()) <= p + 1e-6
                for top, p in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
     assert lp.text_offset[0] == 0 and "".join(lp.tokens) == done.choices[0].text
+    sampled = client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=1.5, seed=3,
+                                        logprobs=1, extra_body={"return_tokens_as_token_ids": True})
+    sampled = sampled.choices[0].logprobs  # tokens as ids: no two share a key, as two that decode alike would
+    # each map holds the token taken, also where it was not the most likely (OpenAI: up to logprobs + 1 entries)
+    assert any(len(top) == 2 for top in sampled.top_logprobs)
+    for t, top, p in zip(sampled.tokens, sampled.top_logprobs, sampled.token_logprobs, strict=True):
+        assert len(top) <= 2 and top[t] == pytest.approx(p), (t, top, p)
     streamed = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0, logprobs=2,
                                          stream=True)
     chunks = [c.choices[0].logprobs for c in streamed if c.choices[0].logprobs and c.choices[0].logprobs.tokens]
