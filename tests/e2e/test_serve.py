@@ -71,9 +71,10 @@ def test_sliding_window_model_served_with_two_ranks_matches_in_process_engine(st
 
 
 def test_abort_and_cancellation_free_every_block(start_server):
-    server = start_server(*SMALL)
+    # requests of 1,900 steps (seconds): both still running when cancelled and aborted half a second in
+    server = start_server("--max-model-len", "2048", "--kv-cache-memory-bytes", "8MiB", "--check-block-tables")
     asyncio.run(server.wait_ready())
-    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=1900, temperature=0.0, ignore_eos=True)
 
     async def scenario():
         async with AsyncEngineClient(server.address) as client:
