@@ -200,8 +200,15 @@ class ClientRouter:
                     f"the limit per client (--max-client-requests {self.max_client_requests})")
         return None
 
-    def requests_of(self, identity: bytes) -> list[str]:
-        return [rid for rid, owner in self.owners.items() if owner == identity]
+    def drop_client(self, identity: bytes) -> list[str]:
+        """A client is gone: forget what it was owed and its requests, and return those for the caller to abort.
+        Once: the monitor's event and a failed send can both report one client."""
+        self.forget(identity)
+        gone = [rid for rid, owner in self.owners.items() if owner == identity]
+        for rid in gone:
+            del self.owners[rid]
+        self.requests_per_client.pop(identity, None)
+        return gone
 
     def owns(self, identity: bytes, request_id: str) -> bool:
         return self.owners.get(request_id) == identity

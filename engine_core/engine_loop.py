@@ -60,8 +60,7 @@ class EngineLoop:
     def apply_inbox(self) -> None:
         for identity, msg in self.router.take_inbox():
             if msg is None:
-                self.router.forget(identity)
-                gone = self.router.requests_of(identity)
+                gone = self.router.drop_client(identity)
                 if gone:
                     logger.info("A client disconnected; aborting its %d request(s)", len(gone))
                     self.engine.abort_requests(gone)

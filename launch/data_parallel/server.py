@@ -272,8 +272,7 @@ class DataParallelServer(ServerProcess):
         client = self.client
         for identity, msg in client.take_inbox():
             if msg is None:
-                client.forget(identity)
-                gone = client.requests_of(identity)
+                gone = client.drop_client(identity)
                 if gone:
                     logger.info("A client disconnected; aborting its %d request(s)", len(gone))
                     self._abort(gone)
