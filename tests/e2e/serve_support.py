@@ -41,6 +41,28 @@ def free_port() -> int:
 
 
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+# Requests of 4,000 steps (some 6 s on 2 cores) still run when the server reads a client's disconnect, also on a
+# loaded machine: ones that ended by length would also leave the engine idle.
+LONG_RUNS = ["--max-model-len", "4096", "--kv-cache-memory-bytes", "32MiB"]
+VANISHING = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
+
+
+async def vanish_mid_requests(address: str, batch: list[list[int]]):
+    """Start the requests, and once each has an output close the socket without an abort, as a crashed client
+    would; then the server's stats once nothing runs (or after 200 asks)."""
+    client = AsyncEngineClient(address)
+    await client.start()
+    streams = [client.generate(p, VANISHING) for p in batch]
+    for s in streams:
+        await s.__anext__()
+    client._sock.close(linger=0)
+    async with AsyncEngineClient(address) as watcher:
+        for _ in range(200):
+            stats = await watcher.get_stats()
+            if stats.num_running_reqs == 0:
+                break
+            await asyncio.sleep(0.05)
+    return stats
 
 
 async def stream_after_first_outputs(address: str, n: int, act) -> list[list]:

@@ -21,7 +21,7 @@ from protocol import (
 )
 from protocol.codec import client_codec, outputs_codec
 from tests.e2e.conftest import ServerProcess, cmdline, descendants, processes_in_group, wait_exit, wait_until
-from tests.e2e.serve_support import collect
+from tests.e2e.serve_support import LONG_RUNS, collect, vanish_mid_requests
 
 SMALL = ["--max-model-len", "512", "--kv-cache-memory-bytes", "8MiB", "--dtype", "float32"]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -204,6 +204,14 @@ def test_a_killed_engine_fails_its_requests_and_the_other_serves_on(start_server
     assert all("engine core 1 stopped" in last.error for last in failed)
     assert after.finish_reason == "length" and len(tokens) == GREEDY.max_tokens
     assert "Engine core 1 stopped" in server.output()
+
+
+def test_a_disconnected_client_has_its_requests_aborted_on_every_engine(start_server):
+    server = start_server("-dp", "2", "--router-policy", "round-robin", *LONG_RUNS)
+    asyncio.run(server.wait_ready())
+    stats = asyncio.run(vanish_mid_requests(server.address, prompts(2, seed=4)))  # one on each engine
+    assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0.0, stats
+    assert server.output().count("A client disconnected; aborting its 2 request(s)") == 1, server.output()
 
 
 def test_sigterm_stops_the_router_and_every_engine(start_server):

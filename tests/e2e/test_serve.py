@@ -13,7 +13,16 @@ import zmq
 from launch.client import AsyncEngineClient, EngineDeadError
 from protocol import SamplingParams
 from tests.e2e.conftest import processes_in_group, wait_exit
-from tests.e2e.serve_support import FP32, GREEDY, SMALL, collect, generate_all, prompts
+from tests.e2e.serve_support import (
+    FP32,
+    GREEDY,
+    LONG_RUNS,
+    SMALL,
+    collect,
+    generate_all,
+    prompts,
+    vanish_mid_requests,
+)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -174,29 +183,9 @@ def test_garbage_on_the_input_socket_does_not_stop_the_server(start_server):
 
 
 def test_a_disconnected_client_has_its_requests_aborted(start_server):
-    # A request of 4,000 steps (some 6 s on 2 cores) is still running when the server reads the disconnect, also
-    # on a loaded machine: one that ended by length would also leave the engine idle.
-    server = start_server("--max-model-len", "4096", "--kv-cache-memory-bytes", "16MiB")
+    server = start_server(*LONG_RUNS)
     asyncio.run(server.wait_ready())
-
-    async def leave_mid_request():
-        client = AsyncEngineClient(server.address)
-        await client.start()
-        stream = client.generate(prompts(1)[0], SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True))
-        await stream.__anext__()
-        client._sock.close(linger=0)  # vanish without an abort, as a crashed client would
-
-    async def wait_idle():
-        async with AsyncEngineClient(server.address) as client:
-            for _ in range(200):
-                stats = await client.get_stats()
-                if stats.num_running_reqs == 0:
-                    return stats
-                await asyncio.sleep(0.05)
-            return stats
-
-    asyncio.run(leave_mid_request())
-    stats = asyncio.run(wait_idle())
+    stats = asyncio.run(vanish_mid_requests(server.address, prompts(1)))
     assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0.0, stats
     assert server.output().count("A client disconnected; aborting its 1 request(s)") == 1, server.output()
 
