@@ -19,7 +19,7 @@ SCHEMA = {"type": "object", "required": ["ok", "n"], "additionalProperties": Fal
 
 
 def test_responses_text_tools_and_stream(start_server):
-    api = start_api_server(start_server, *TOOL_FLAGS, "--max-model-len", "1024", "--kv-cache-memory-bytes", "64MiB")
+    api = start_api_server(start_server, *TOOL_FLAGS, "--max-model-len", "2048", "--kv-cache-memory-bytes", "64MiB")
     client = openai.OpenAI(base_url=f"{api.base_url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
 
@@ -43,8 +43,10 @@ def test_responses_text_tools_and_stream(start_server):
     assert streamed == text.output_text == events[-1].response.output_text  # temperature 0: the same text
     assert events[-1].response.output[0].status == events[-1].response.status == text.status
 
+    # Forced calls get room for 1,000 tokens: sampled, the random model makes one call in about 170 tokens, and now and
+    # then several (300 tokens cut off 1 of 2,200 such requests)
     forced = client.responses.create(model=model, input="Weather in Paris?", tools=TOOLS, tool_choice="required",
-                                     temperature=1.0, max_output_tokens=300)
+                                     temperature=1.0, max_output_tokens=1000)
     calls = [item for item in forced.output if item.type == "function_call"]
     assert calls and forced.status == "completed"
     for call in calls:
@@ -61,7 +63,7 @@ def test_responses_text_tools_and_stream(start_server):
     assert answer.output[0].type == "message" and isinstance(answer.output_text, str)
 
     stream = list(client.responses.create(model=model, input="Weather?", tools=TOOLS, tool_choice="required",
-                                          max_output_tokens=300, stream=True))
+                                          max_output_tokens=1000, stream=True))
     done = [e.item for e in stream if e.type == "response.output_item.done"]
     assert done and all(item.type == "function_call" for item in done)
     assert stream[-1].response.output == done
