@@ -3,8 +3,13 @@
 import contextlib
 
 import pytest
+from hypothesis import settings
 
 from worker.ops.cpu_attention import CpuAttentionUnavailable, load_extension
+
+# No wall-clock limit per example: hypothesis's default 200 ms deadline fails a test when a loaded machine pauses it.
+settings.register_profile("kvengine", deadline=None)
+settings.load_profile("kvengine")
 
 
 @pytest.fixture(scope="session", autouse=True)
