@@ -208,6 +208,8 @@ class ClientRouter:
         for rid in gone:
             del self.owners[rid]
         self.requests_per_client.pop(identity, None)
+        if gone:
+            logger.info("A client disconnected; aborting its %d request(s)", len(gone))
         return gone
 
     def owns(self, identity: bytes, request_id: str) -> bool:

@@ -2,7 +2,6 @@
 it runs the engine core, routes the outputs, retries slow clients' backlogs, publishes KV events and
 refreshes the stats."""
 
-import logging
 import time
 from collections.abc import Callable
 
@@ -19,7 +18,6 @@ from protocol import (
     EngineCoreResetPrefixCache,
 )
 
-logger = logging.getLogger(__name__)
 STATS_PERIOD = 0.25  # seconds between stats snapshots for metrics and the log line
 IDLE_POLL_MS = 100
 BACKLOG_RETRY_MS = 10  # idle poll while a slow client has a backlog (POLLOUT would not say which pipe has room)
@@ -60,10 +58,7 @@ class EngineLoop:
     def apply_inbox(self) -> None:
         for identity, msg in self.router.take_inbox():
             if msg is None:
-                gone = self.router.drop_client(identity)
-                if gone:
-                    logger.info("A client disconnected; aborting its %d request(s)", len(gone))
-                    self.engine.abort_requests(gone)
+                self.engine.abort_requests(self.router.drop_client(identity))
             elif isinstance(msg, EngineCoreRequest):
                 if self.router.admit(identity, msg):
                     if self.metrics is not None:

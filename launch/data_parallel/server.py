@@ -272,10 +272,7 @@ class DataParallelServer(ServerProcess):
         client = self.client
         for identity, msg in client.take_inbox():
             if msg is None:
-                gone = client.drop_client(identity)
-                if gone:
-                    logger.info("A client disconnected; aborting its %d request(s)", len(gone))
-                    self._abort(gone)
+                self._abort(client.drop_client(identity))
             elif isinstance(msg, EngineCoreRequest):
                 if client.admit(identity, msg):
                     self._forward(msg)

@@ -41,10 +41,10 @@ def free_port() -> int:
 
 
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-# Requests of 4,000 steps (some 6 s on 2 cores) still run when the server reads a client's disconnect, also on a
-# loaded machine: ones that ended by length would also leave the engine idle.
-LONG_RUNS = ["--max-model-len", "4096", "--kv-cache-memory-bytes", "32MiB"]
-VANISHING = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
+# Requests of 4,000 steps (some 6 s on 2 cores), for a server with LONG_RUN_FLAGS: still running when the client acts
+# on them (disconnects, aborts, asks a prefix-cache reset), also on a loaded machine.
+LONG_RUN_FLAGS = ["--max-model-len", "4096", "--kv-cache-memory-bytes", "32MiB"]
+LONG_RUN = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
 
 
 async def vanish_mid_requests(address: str, batch: list[list[int]]):
@@ -52,7 +52,7 @@ async def vanish_mid_requests(address: str, batch: list[list[int]]):
     would; then the server's stats once nothing runs (or after 200 asks)."""
     client = AsyncEngineClient(address)
     await client.start()
-    streams = [client.generate(p, VANISHING) for p in batch]
+    streams = [client.generate(p, LONG_RUN) for p in batch]
     for s in streams:
         await s.__anext__()
     client._sock.close(linger=0)

@@ -21,7 +21,7 @@ from protocol import (
 )
 from protocol.codec import client_codec, outputs_codec
 from tests.e2e.conftest import ServerProcess, cmdline, descendants, processes_in_group, wait_exit, wait_until
-from tests.e2e.serve_support import LONG_RUNS, collect, vanish_mid_requests
+from tests.e2e.serve_support import LONG_RUN_FLAGS, collect, vanish_mid_requests
 
 SMALL = ["--max-model-len", "512", "--kv-cache-memory-bytes", "8MiB", "--dtype", "float32"]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -207,7 +207,7 @@ def test_a_killed_engine_fails_its_requests_and_the_other_serves_on(start_server
 
 
 def test_a_disconnected_client_has_its_requests_aborted_on_every_engine(start_server):
-    server = start_server("-dp", "2", "--router-policy", "round-robin", *LONG_RUNS)
+    server = start_server("-dp", "2", "--router-policy", "round-robin", *LONG_RUN_FLAGS)
     asyncio.run(server.wait_ready())
     stats = asyncio.run(vanish_mid_requests(server.address, prompts(2, seed=4)))  # one on each engine
     assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0.0, stats

@@ -8,8 +8,8 @@ import zmq
 
 from launch.client import AsyncEngineClient
 from launch.client.kv_event_subscriber import KVEventSubscriber
-from protocol import AllBlocksCleared, SamplingParams
-from tests.e2e.serve_support import prompts
+from protocol import AllBlocksCleared
+from tests.e2e.serve_support import LONG_RUN, LONG_RUN_FLAGS, prompts
 
 
 def reset_cli(address: str) -> subprocess.CompletedProcess:
@@ -19,15 +19,13 @@ def reset_cli(address: str) -> subprocess.CompletedProcess:
 
 def test_reset_is_refused_while_a_request_holds_blocks_and_clears_the_cache_when_idle(start_server, tmp_path):
     events = f"ipc://{tmp_path}/events"
-    # the request runs some 1,900 steps (seconds): still running when the reset asked right after its first output
-    # arrives, also on a loaded machine
-    server = start_server("--max-model-len", "2048", "--kv-cache-memory-bytes", "8MiB", "--kv-events-endpoint", events)
+    server = start_server(*LONG_RUN_FLAGS, "--kv-events-endpoint", events)
     asyncio.run(server.wait_ready())
     prompt = prompts(1, seed=3, lo=64, hi=65)[0]
 
     async def scenario() -> tuple[bool, bool, int, int]:
         async with AsyncEngineClient(server.address) as client:
-            stream = client.generate(prompt, SamplingParams(max_tokens=1900, temperature=0.0, ignore_eos=True))
+            stream = client.generate(prompt, LONG_RUN)
             await stream.__anext__()  # the request is running and holds blocks
             refused = await client.reset_prefix_cache()
             await stream.aclose()  # abort it; its full blocks stay cached

@@ -16,7 +16,8 @@ from tests.e2e.conftest import processes_in_group, wait_exit
 from tests.e2e.serve_support import (
     FP32,
     GREEDY,
-    LONG_RUNS,
+    LONG_RUN,
+    LONG_RUN_FLAGS,
     SMALL,
     collect,
     generate_all,
@@ -80,10 +81,9 @@ def test_sliding_window_model_served_with_two_ranks_matches_in_process_engine(st
 
 
 def test_abort_and_cancellation_free_every_block(start_server):
-    # requests of 1,900 steps (seconds): both still running when cancelled and aborted half a second in
-    server = start_server("--max-model-len", "2048", "--kv-cache-memory-bytes", "8MiB", "--check-block-tables")
+    server = start_server(*LONG_RUN_FLAGS, "--check-block-tables")
     asyncio.run(server.wait_ready())
-    long = SamplingParams(max_tokens=1900, temperature=0.0, ignore_eos=True)
+    long = LONG_RUN  # both still running when cancelled and aborted half a second in
 
     async def scenario():
         async with AsyncEngineClient(server.address) as client:
@@ -183,7 +183,7 @@ def test_garbage_on_the_input_socket_does_not_stop_the_server(start_server):
 
 
 def test_a_disconnected_client_has_its_requests_aborted(start_server):
-    server = start_server(*LONG_RUNS)
+    server = start_server(*LONG_RUN_FLAGS)
     asyncio.run(server.wait_ready())
     stats = asyncio.run(vanish_mid_requests(server.address, prompts(1)))
     assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0.0, stats

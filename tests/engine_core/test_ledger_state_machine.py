@@ -292,7 +292,6 @@ class LedgerMachine(RuleBasedStateMachine):
 SETTINGS = settings(
     max_examples=80,
     stateful_step_count=50,
-    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 

@@ -85,7 +85,7 @@ EVENT = st.one_of(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(st.lists(st.tuples(st.integers(0, 2), EVENT), max_size=40), st.lists(st.integers(0, 7), max_size=6))
 def test_index_equals_a_multiset_model(steps, chain):
     """After any event sequence, the index agrees with per-engine multisets, and matched_blocks with a scan."""
@@ -162,7 +162,7 @@ def test_unknown_policy_is_refused():
         Router(2, "random", BLOCK_SIZE, "sha256")  # type: ignore[arg-type]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(st.lists(st.lists(st.integers(0, 5), max_size=6), min_size=3, max_size=3),
        st.lists(st.integers(0, 4), min_size=3, max_size=3), st.integers(1, 6))
 def test_prefix_picks_a_longest_holder_and_the_least_loaded_among_them(held_blocks, loads, prompt_blocks):

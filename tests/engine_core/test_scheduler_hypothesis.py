@@ -159,7 +159,7 @@ def drive(ops, num_blocks, budget, max_num_seqs, policy, prefix_caching, **confi
     assert replay.tables == {} and ex.block_tables == {}
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=ops,
     num_blocks=st.integers(9, 24),
@@ -189,7 +189,7 @@ def seeded_ops(seed: int, n: int) -> list[tuple]:
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])  # async: step N+1 sent before step N is applied
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**32 - 1),
     n=st.integers(4, 30),

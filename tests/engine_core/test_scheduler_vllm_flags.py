@@ -240,7 +240,7 @@ MAX_MODEL_LEN = 128
 PREFIXES = [prompt_of(901, 48), prompt_of(902, 20)]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**32 - 1),
     n=st.integers(1, 12),

@@ -130,7 +130,7 @@ class LedgerCheck:
             assert _cached_blocks(self.core, request.request_id) * block_size <= request.num_tokens
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), num_blocks=st.integers(12, 30), budget=st.sampled_from([8, 16, 64]),
        async_scheduling=st.booleans(), k=st.integers(1, 4))
 def test_random_workloads_equal_plain_decoding_and_leak_nothing(seed, num_blocks, budget, async_scheduling, k):

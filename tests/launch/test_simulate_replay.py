@@ -77,7 +77,7 @@ def random_traces(draw):
     return parse_trace_lines(lines)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, suppress_health_check=[HealthCheck.too_slow])
 @given(
     trace=random_traces(),
     block_size=st.sampled_from([16, 64, 512]),

@@ -397,7 +397,7 @@ scheduler_outputs = st.builds(
     block_table_digests=st.none() | st.dictionaries(ids, st.binary(min_size=8, max_size=8), max_size=4),
 )
 
-FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
 
 
 @FAST

@@ -266,7 +266,7 @@ def test_decode_refuses_a_long_stop_id_list_from_its_header():
         client_codec().decode(data)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(
     max_tokens=st.integers(-(2**63), 2**64 - 1),  # anything msgpack can carry
     temperature=st.floats(),
