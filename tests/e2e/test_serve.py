@@ -16,6 +16,7 @@ from tests.e2e.conftest import processes_in_group, wait_exit
 from tests.e2e.serve_support import (
     FP32,
     GREEDY,
+    LONG,
     LONG_RUN,
     LONG_RUN_FLAGS,
     SMALL,
@@ -83,16 +84,15 @@ def test_sliding_window_model_served_with_two_ranks_matches_in_process_engine(st
 def test_abort_and_cancellation_free_every_block(start_server):
     server = start_server(*LONG_RUN_FLAGS, "--check-block-tables")
     asyncio.run(server.wait_ready())
-    long = LONG_RUN  # both still running when cancelled and aborted half a second in
 
-    async def scenario():
+    async def scenario():  # LONG_RUN: both requests still running when cancelled and aborted half a second in
         async with AsyncEngineClient(server.address) as client:
             aborted_id = "to-abort"
-            stream = client.generate(prompts(1, 5)[0], long, request_id=aborted_id)
+            stream = client.generate(prompts(1, 5)[0], LONG_RUN, request_id=aborted_id)
             first = await stream.__anext__()  # running now
 
             async def cancelled():
-                async for _ in client.generate(prompts(1, 6)[0], long):
+                async for _ in client.generate(prompts(1, 6)[0], LONG_RUN):
                     pass
 
             task = asyncio.create_task(cancelled())
@@ -153,8 +153,7 @@ def test_killed_worker_fails_in_flight_requests_and_the_server_exits(start_serve
 
     async def scenario():
         async with AsyncEngineClient(server.address) as client:
-            long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-            tasks = [asyncio.create_task(collect(client, p, long)) for p in prompts(4, 9)]
+            tasks = [asyncio.create_task(collect(client, p, LONG)) for p in prompts(4, 9)]
             await asyncio.sleep(1.0)
             os.kill(server.worker_pids()[1], signal.SIGKILL)
             return await asyncio.gather(*tasks, return_exceptions=True)
