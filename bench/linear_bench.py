@@ -1,6 +1,6 @@
 """The linear kernels at the model level, through Worker.execute_model (inputs, forward, sampling):
 
-    python -m bench.linear_bench --only peak                           # the cores' bf16 GEMM peak
+    python -m bench.linear_bench --only peak                           # the cores' bf16 and fp32 GEMM peaks
     python -m bench.linear_bench --only packed --model FOLDER          # oneDNN-packed dense weights vs F.linear
     python -m bench.linear_bench --only gguf [--model FILE.gguf]       # quantized weights kept vs dequantized
     python -m bench.linear_bench --only rtn --model FOLDER             # --quantization rtn (int8) vs dense
@@ -137,11 +137,17 @@ def bench_peak() -> None:
             times.append(time.perf_counter() - t)
         return min(times)
 
-    n = 4096
-    x, w = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
-    packed = DenseLinear(w, None)
-    for name, f in (("F.linear", lambda: F.linear(x, w)), ("oneDNN packed", lambda: packed(x))):
-        print(f"bf16 GEMM {n}^3, {torch.get_num_threads()} threads, {name}: {2 * n**3 / best(f) / 1e9:.0f} GFLOP/s")
+    def gemms(dtype, n=4096):
+        x, w = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        packed = DenseLinear(w, None)
+        kernels = [("F.linear", lambda: F.linear(x, w))] + [("oneDNN packed", lambda: packed(x))] * packed.packed
+        for name, f in kernels:
+            print(f"{dtype} GEMM {n}^3, {torch.get_num_threads()} threads, {name}: {2 * n**3 / best(f) / 1e9:.0f} GFLOP/s")
+        if not packed.packed:
+            print(f"{dtype}: oneDNN has no packed kernel on this CPU; the worker multiplies by F.linear")
+
+    gemms(torch.bfloat16)
+    gemms(torch.float32)
 
 
 def bench_packed(model: str, rounds: int) -> None:

@@ -47,6 +47,9 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
+    if name == "bfloat16" and device.type == "cpu" and not cpu_has_bf16():
+        log.warning("--dtype bfloat16 on a CPU without bf16 instructions: its matmuls are emulated, slower than "
+                    "float32 (what --dtype auto picks here)")
     return _DTYPES[name]
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.model.gguf_quant import GGUFQuantTensor
-from worker.model.linear_method import DenseLinear, make_linear, rtn_int8
+from worker.model.linear_method import DenseLinear, make_linear, onednn_packs, rtn_int8
 from worker.ops.quant_linear import INT4_MAX_ROWS, INT8_MAX_ROWS, Int4Linear, Int8Linear
 
 gguf = pytest.importorskip("gguf")
@@ -127,7 +127,7 @@ def test_packed_dense_equals_f_linear(dtype):
     for n, k in ((100, 64), (2560, 96)):
         w, bias = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
         linear = DenseLinear(w, bias)
-        assert linear.packed and linear.weight.is_mkldnn
+        assert linear.packed == onednn_packs(dtype) == linear.weight.is_mkldnn
         for m in (1, 7, 300):
             x = torch.randn(m, k).to(dtype)
             ref = F.linear(x, w, bias)
@@ -136,6 +136,26 @@ def test_packed_dense_equals_f_linear(dtype):
             terms = (x.abs().float() @ w.abs().float().t()).max().item()
             atol = torch.finfo(dtype).eps * (2 * ref.abs().max().item() + k**0.5 * terms)
             torch.testing.assert_close(linear(x), ref, rtol=0, atol=atol)
+
+
+def test_onednn_packs_names_what_onednn_reorders():
+    """bf16 weights are packed only where oneDNN has bf16 kernels (AVX512BW/VL/DQ or AVX-NE-CONVERT); elsewhere its
+    reorder refuses them, and DenseLinear multiplies by F.linear instead of failing at load."""
+    w = torch.randn(64, 32).bfloat16()
+    if onednn_packs(torch.bfloat16):
+        assert torch.ops.mkldnn._reorder_linear_weight(w).is_mkldnn
+    else:
+        with pytest.raises(RuntimeError, match="bf16 path needs"):
+            torch.ops.mkldnn._reorder_linear_weight(w)
+    assert onednn_packs(torch.float32) and not onednn_packs(torch.float16)
+
+
+def test_dense_linear_without_onednn_kernel_is_f_linear(monkeypatch):
+    monkeypatch.setattr("worker.model.linear_method.onednn_packs", lambda dtype: False)
+    w, bias, x = torch.randn(48, 32).bfloat16(), torch.randn(48).bfloat16(), torch.randn(5, 32).bfloat16()
+    linear = DenseLinear(w, bias)
+    assert not linear.packed and linear.weight is w
+    assert torch.equal(linear(x), F.linear(x, w, bias))
 
 
 @pytest.mark.parametrize("k", [96, 256])

@@ -4,7 +4,7 @@ weight here once, after tensor-parallel sharding, in the form its kernel reads.
 Dense on the CPU: the weight reordered once into oneDNN's blocked layout (what mkldnn's matmul would otherwise
 reorder on every call) and multiplied by oneDNN's prepacked linear: same results as F.linear within rounding,
 faster at every batch size measured (docs/benchmarks.md). On CUDA, or where oneDNN has no kernel for the dtype
-(fp16 on CPUs without AVX512-FP16), F.linear. Quantized weights (GGUF blocks kept at load, or --quantization rtn)
+(fp16; bf16 on CPUs without AVX512BW/VL/DQ or AVX-NE-CONVERT, e.g. AVX2-only ones), F.linear. Quantized weights (GGUF blocks kept at load, or --quantization rtn)
 go to worker/ops/quant_linear.py."""
 
 import logging
@@ -41,9 +41,16 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's prepacked copy of a CPU weight, or None where F.linear is the kernel."""
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
-    if weight.dtype not in (torch.float32, torch.bfloat16):
+    if not onednn_packs(weight.dtype):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN reorders and multiplies weights of the dtype."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
 
 
 def make_linear(parts: list[LinearWeight], bias: torch.Tensor | None, quantization: str | None, dtype,
