@@ -5,18 +5,26 @@
 // group's codes are widened to fp32 once and multiplied with every row of x; sums in fp32, one rounding to x's
 // dtype at the end.
 //
+// int4_group_linear, small batches of fp32 activations: torch's packed int4 layout (below) read in place, a block of
+// output rows at a time; each group of 32 inputs' codes is widened to fp32 once and multiplied with every row of x,
+// and w = (q - 8) * scale + zero is applied per group as scale * (sum x q - 8 sum x) + zero * sum x. Torch's own
+// packed int4 matmul has no vectorized fp32 path on AVX2 CPUs (measured 25-40x slower than for bf16 there).
+//
 // int4_dequantize_t and int8_dequantize, large batches (prefill): the weight in the activations' dtype, in one
-// pass, for the dense GEMM. Torch's packed int4 layout holds, for each block of 64 output rows and each input k,
-// 32 bytes: byte j's low nibble is row j, its high nibble row 32 + j; so the transposed weight [k, n] is written
-// with contiguous rows.
+// pass, for the dense GEMM. Torch's packed int4 layout holds, for each block of B output rows and each input k,
+// B / 2 bytes; which rows a byte's nibbles hold depends on the CPU (B 64 on AVX512, 32 elsewhere), so the kernels
+// take the block's row order (quant_linear.int4_row_order: entry 2j + h is the row of byte j's nibble h). The
+// transposed weight [k, n] is written with contiguous rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+#include <vector>
 
 #include "cpu_vec.h"
 #include "ops.h"
@@ -66,22 +74,99 @@ void int8_row(const int8_t* q, const float* scale, const float* x, int64_t m_row
   }
 }
 
-// W^T rows [k0, k1) of one dtype: wt[k, r] = (code - 8) * scale + zero, sz = [k / 32, n_pad, 2] (scale, zero).
-template <typename T>
-void int4_rows_t(const uint8_t* packed, const T* sz, int64_t k, int64_t n_pad, int64_t k0, int64_t k1, T* wt) {
-  for (int64_t kk = k0; kk < k1; ++kk) {
-    for (int64_t block = 0; block < n_pad / 64; ++block) {
-      const uint8_t* bytes = packed + (block * k + kk) * 32;
-      const T* s = sz + ((kk / 32) * n_pad + block * 64) * 2;
-      T* out = wt + kk * n_pad + block * 64;
-      for (int64_t j = 0; j < 32; ++j) {
-        out[j] = static_cast<T>((static_cast<float>(bytes[j] & 15) - 8.0f) * static_cast<float>(s[2 * j]) +
-                                static_cast<float>(s[2 * j + 1]));
-        out[32 + j] = static_cast<T>((static_cast<float>(bytes[j] >> 4) - 8.0f) * static_cast<float>(s[64 + 2 * j]) +
-                                     static_cast<float>(s[64 + 2 * j + 1]));
+// kLanes bytes as int32 lanes.
+inline vint widen_u8(const uint8_t* p) {
+  vint v;
+#if defined(__AVX512F__)
+  const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&v, &w, sizeof(v));
+#elif defined(__AVX2__)
+  const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&v, &w, sizeof(v));
+#else
+  for (int i = 0; i < kLanes; ++i) v[i] = p[i];
+#endif
+  return v;
+}
+
+constexpr int kInt4Group = 32, kMaxBlock = 64;  // inputs per scale; the most output rows of a packed block
+
+// One block of B output rows (B = order's length): out[m, rows] for all m_rows rows of x. The block is computed in
+// the packed bytes' own order, nibble h of byte j at position h * B / 2 + j (low nibbles first), so the codes widen
+// by whole vectors; scales and zeros are gathered into that order and the sums scattered to their rows at the end.
+template <int B>
+void int4_block(const uint8_t* packed, const float* sz, const int32_t* order, const float* x, int64_t m_rows,
+                int64_t k, int64_t n_pad, int64_t block, float* out) {
+  constexpr int kVecs = B / kLanes, kHalf = B / 2;
+  static_assert(kHalf % kLanes == 0, "a packed row of bytes widens by whole vectors");
+  alignas(64) float codes[kInt4Group * B];  // a group's codes, [input][position]
+  alignas(64) float scale[B], zero[B];
+  int row[B];  // the output row of each position
+  for (int j = 0; j < kHalf; ++j) {
+    row[j] = order[2 * j];
+    row[kHalf + j] = order[2 * j + 1];
+  }
+  std::vector<vfloat> acc(m_rows * kVecs, vfloat{});
+  for (int64_t g0 = 0; g0 < k; g0 += kInt4Group) {
+    for (int kk = 0; kk < kInt4Group; ++kk) {
+      const uint8_t* bytes = packed + (block * k + g0 + kk) * kHalf;
+      for (int j = 0; j < kHalf; j += kLanes) {
+        const vint b = widen_u8(bytes + j);
+        store(codes + kk * B + j, __builtin_convertvector(b & 15, vfloat));
+        store(codes + kk * B + kHalf + j, __builtin_convertvector(b >> 4, vfloat));
+      }
+    }
+    const float* s = sz + ((g0 / kInt4Group) * n_pad + block * B) * 2;
+    for (int p = 0; p < B; ++p) {
+      scale[p] = s[2 * row[p]];
+      zero[p] = s[2 * row[p] + 1];
+    }
+    for (int64_t m = 0; m < m_rows; ++m) {
+      const float* xg = x + m * k + g0;
+      vfloat dot[kVecs] = {};
+      float sum_x = 0.0f;
+      for (int kk = 0; kk < kInt4Group; ++kk) {
+        const vfloat xv = splat(xg[kk]);
+        sum_x += xg[kk];
+        for (int v = 0; v < kVecs; ++v) dot[v] += xv * load(codes + kk * B + v * kLanes);
+      }
+      for (int v = 0; v < kVecs; ++v) {
+        acc[m * kVecs + v] += load(scale + v * kLanes) * (dot[v] - 8.0f * sum_x) + load(zero + v * kLanes) * sum_x;
       }
     }
   }
+  for (int64_t m = 0; m < m_rows; ++m) {
+    float* o = out + m * n_pad + block * B;
+    for (int v = 0; v < kVecs; ++v)
+      for (int l = 0; l < kLanes; ++l) o[row[v * kLanes + l]] = acc[m * kVecs + v][l];
+  }
+}
+
+// W^T rows [k0, k1) of one dtype: wt[k, r] = (code - 8) * scale + zero, sz = [k / 32, n_pad, 2] (scale, zero);
+// blocks of B rows in the given row order.
+template <typename T>
+void int4_rows_t(const uint8_t* packed, const T* sz, const int32_t* order, int64_t B, int64_t k, int64_t n_pad,
+                 int64_t k0, int64_t k1, T* wt) {
+  for (int64_t kk = k0; kk < k1; ++kk) {
+    for (int64_t block = 0; block < n_pad / B; ++block) {
+      const uint8_t* bytes = packed + (block * k + kk) * (B / 2);
+      const T* s = sz + ((kk / kInt4Group) * n_pad + block * B) * 2;
+      T* out = wt + kk * n_pad + block * B;
+      for (int64_t i = 0; i < B; ++i) {
+        const int r = order[i];
+        const float code = static_cast<float>(i % 2 ? bytes[i / 2] >> 4 : bytes[i / 2] & 15);
+        out[r] = static_cast<T>((code - 8.0f) * static_cast<float>(s[2 * r]) + static_cast<float>(s[2 * r + 1]));
+      }
+    }
+  }
+}
+
+// The row order of torch's packed int4 blocks, checked: B = its length, 32 or 64, dividing n_pad.
+const int32_t* row_order(const at::Tensor& order, int64_t n_pad) {
+  const int64_t B = order.numel();
+  TORCH_CHECK(order.scalar_type() == at::kInt && order.is_contiguous() && (B == 32 || B == kMaxBlock) && n_pad % B == 0,
+              "int4: the row order is int32 [32] or [64] and divides the padded rows");
+  return order.data_ptr<int32_t>();
 }
 
 // W rows [r0, r1): w[r, i] = q[r, i] * scale[r, i / group].
@@ -97,9 +182,10 @@ void int8_rows(const int8_t* q, const float* scale, int64_t k, int64_t group, in
 
 }  // namespace
 
-at::Tensor int4_dequantize_t(const at::Tensor& packed, const at::Tensor& scale_zero) {
+at::Tensor int4_dequantize_t(const at::Tensor& packed, const at::Tensor& scale_zero, const at::Tensor& order) {
   const int64_t n_pad = packed.size(0), k = packed.size(1) * 2;
-  TORCH_CHECK(packed.scalar_type() == at::kByte && n_pad % 64 == 0 && k % 32 == 0, "int4_dequantize_t: layout");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && k % kInt4Group == 0, "int4_dequantize_t: layout");
+  const int32_t* rows = row_order(order, n_pad);
   TORCH_CHECK(scale_zero.sizes() == at::IntArrayRef({k / 32, n_pad, 2}), "int4_dequantize_t: scale_zero shape");
   const at::Tensor p = packed.contiguous(), sz = scale_zero.contiguous();
   at::Tensor wt = at::empty({k, n_pad}, scale_zero.options());
@@ -107,9 +193,36 @@ at::Tensor int4_dequantize_t(const at::Tensor& packed, const at::Tensor& scale_z
     const uint8_t* pp = p.data_ptr<uint8_t>();
     const scalar_t* sp = sz.data_ptr<scalar_t>();
     scalar_t* out = wt.data_ptr<scalar_t>();
-    at::parallel_for(0, k, 16, [&](int64_t k0, int64_t k1) { int4_rows_t(pp, sp, k, n_pad, k0, k1, out); });
+    at::parallel_for(0, k, 16, [&](int64_t k0, int64_t k1) {
+      int4_rows_t(pp, sp, rows, order.numel(), k, n_pad, k0, k1, out);
+    });
   });
   return wt;
+}
+
+at::Tensor int4_group_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_zero,
+                             const at::Tensor& order) {
+  const int64_t n_pad = packed.size(0), k = packed.size(1) * 2, m_rows = x.size(0), B = order.numel();
+  TORCH_CHECK(packed.scalar_type() == at::kByte && k % kInt4Group == 0, "int4_group_linear: layout");
+  const int32_t* rows = row_order(order, n_pad);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat, "int4_group_linear: fp32 x [m, k]");
+  TORCH_CHECK(scale_zero.sizes() == at::IntArrayRef({k / kInt4Group, n_pad, 2}) &&
+              scale_zero.scalar_type() == at::kFloat, "int4_group_linear: float32 scale_zero [k / 32, n_pad, 2]");
+  const at::Tensor xc = x.contiguous(), p = packed.contiguous(), sz = scale_zero.contiguous();
+  at::Tensor out = at::empty({m_rows, n_pad}, x.options());
+  const uint8_t* pp = p.data_ptr<uint8_t>();
+  const float *sp = sz.data_ptr<float>(), *xp = xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n_pad / B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      if (B == kMaxBlock) {
+        int4_block<kMaxBlock>(pp, sp, rows, xp, m_rows, k, n_pad, b, op);
+      } else {
+        int4_block<32>(pp, sp, rows, xp, m_rows, k, n_pad, b, op);
+      }
+    }
+  });
+  return out;
 }
 
 at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scale, at::ScalarType dtype) {
