@@ -39,6 +39,9 @@ inline vfloat widen(const int8_t* q) {
 #if defined(__AVX512F__)
   const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
   std::memcpy(&v, &w, sizeof(v));
+#elif defined(__AVX2__)
+  const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+  std::memcpy(&v, &w, sizeof(v));
 #else
   for (int i = 0; i < kLanes; ++i) v[i] = q[i];
 #endif
