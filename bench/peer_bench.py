@@ -141,9 +141,9 @@ def resolve_dtype(name: str) -> str:
     """auto: bfloat16 where the CPU has bf16 instructions (AVX512-BF16, AMX), float32 elsewhere, as kvengine's auto."""
     if name != "auto":
         return name
-    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("flags")), [])
-    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
+    from worker.ops.cpu_attention import cpu_has_bf16  # the driver's import: engines' runners never call this
+
+    return "bfloat16" if cpu_has_bf16() else "float32"
 
 
 def workload_kv_bytes(config: dict, tokens: int, dtype: str) -> int:

@@ -18,6 +18,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstring>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -94,12 +95,12 @@ inline vint widen_u8(const uint8_t* p) {
 
 constexpr int kInt4Group = 32, kMaxBlock = 64;  // inputs per scale; the most output rows of a packed block
 
-// One block of B output rows (B = order's length): out[m, rows] for all m_rows rows of x. The block is computed in
+// One block of B output rows (B = order's length), acc: scratch of m_rows * B / kLanes vectors: out[m, rows] for all m_rows rows of x. The block is computed in
 // the packed bytes' own order, nibble h of byte j at position h * B / 2 + j (low nibbles first), so the codes widen
 // by whole vectors; scales and zeros are gathered into that order and the sums scattered to their rows at the end.
 template <int B>
 void int4_block(const uint8_t* packed, const float* sz, const int32_t* order, const float* x, int64_t m_rows,
-                int64_t k, int64_t n_pad, int64_t block, float* out) {
+                int64_t k, int64_t n_pad, int64_t block, vfloat* acc, float* out) {
   constexpr int kVecs = B / kLanes, kHalf = B / 2;
   static_assert(kHalf % kLanes == 0, "a packed row of bytes widens by whole vectors");
   alignas(64) float codes[kInt4Group * B];  // a group's codes, [input][position]
@@ -109,7 +110,7 @@ void int4_block(const uint8_t* packed, const float* sz, const int32_t* order, co
     row[j] = order[2 * j];
     row[kHalf + j] = order[2 * j + 1];
   }
-  std::vector<vfloat> acc(m_rows * kVecs, vfloat{});
+  std::fill(acc, acc + m_rows * kVecs, vfloat{});
   for (int64_t g0 = 0; g0 < k; g0 += kInt4Group) {
     for (int kk = 0; kk < kInt4Group; ++kk) {
       const uint8_t* bytes = packed + (block * k + g0 + kk) * kHalf;
@@ -217,11 +218,12 @@ at::Tensor int4_group_linear(const at::Tensor& x, const at::Tensor& packed, cons
   const float *sp = sz.data_ptr<float>(), *xp = xc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n_pad / B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<vfloat> acc(m_rows * kMaxBlock / kLanes);  // one allocation per chunk of blocks
     for (int64_t b = b0; b < b1; ++b) {
       if (B == kMaxBlock) {
-        int4_block<kMaxBlock>(pp, sp, rows, xp, m_rows, k, n_pad, b, op);
+        int4_block<kMaxBlock>(pp, sp, rows, xp, m_rows, k, n_pad, b, acc.data(), op);
       } else {
-        int4_block<32>(pp, sp, rows, xp, m_rows, k, n_pad, b, op);
+        int4_block<32>(pp, sp, rows, xp, m_rows, k, n_pad, b, acc.data(), op);
       }
     }
   });
