@@ -6,9 +6,10 @@
 // dtype at the end.
 //
 // int4_group_linear, small batches of fp32 activations: torch's packed int4 layout (below) read in place, a block of
-// output rows at a time; each group of 32 inputs' codes is widened to fp32 once and multiplied with every row of x,
-// and w = (q - 8) * scale + zero is applied per group as scale * (sum x q - 8 sum x) + zero * sum x. Torch's own
-// packed int4 matmul has no vectorized fp32 path on AVX2 CPUs (measured 25-40x slower than for bf16 there).
+// output rows at a time; each input's codes are widened to fp32 in registers and multiplied with one or two rows of x
+// (no scratch: at batch 1 the widening and the FMAs are the whole cost), and w = (q - 8) * scale + zero is applied
+// per group of 32 inputs as scale * (sum x q - 8 sum x) + zero * sum x. Torch's own packed int4 matmul has no
+// vectorized fp32 path on AVX2 CPUs (measured 25-40x slower than for bf16 there).
 //
 // int4_dequantize_t and int8_dequantize, large batches (prefill): the weight in the activations' dtype, in one
 // pass, for the dense GEMM. Torch's packed int4 layout holds, for each block of B output rows and each input k,
@@ -95,55 +96,92 @@ inline vint widen_u8(const uint8_t* p) {
 
 constexpr int kInt4Group = 32, kMaxBlock = 64;  // inputs per scale; the most output rows of a packed block
 
-// One block of B output rows (B = order's length), acc: scratch of m_rows * B / kLanes vectors: out[m, rows] for all m_rows rows of x. The block is computed in
-// the packed bytes' own order, nibble h of byte j at position h * B / 2 + j (low nibbles first), so the codes widen
-// by whole vectors; scales and zeros are gathered into that order and the sums scattered to their rows at the end.
-template <int B>
-void int4_block(const uint8_t* packed, const float* sz, const int32_t* order, const float* x, int64_t m_rows,
-                int64_t k, int64_t n_pad, int64_t block, vfloat* acc, float* out) {
-  constexpr int kVecs = B / kLanes, kHalf = B / 2;
+template <size_t... I>
+inline vfloat evens(vfloat a, vfloat b, std::index_sequence<I...>) { return __builtin_shufflevector(a, b, (2 * I)...); }
+template <size_t... I>
+inline vfloat odds(vfloat a, vfloat b, std::index_sequence<I...>) { return __builtin_shufflevector(a, b, (2 * I + 1)...); }
+
+// Rows m0..m0 + M of x (M <= 2: the sums stay in registers) times one block of B output rows. A block is computed in
+// the packed bytes' own order, nibble h of byte j at position h * B / 2 + j, so codes widen by whole vectors straight
+// into the multiply. On AVX2 and AVX512 position p is row p (row == nullptr): scales load and sums store as vectors;
+// in the other layout they go through row[p]. sum_x: x's sums per group of 32 inputs, [rows of x, k / 32].
+template <int B, int M>
+void int4_tile(const uint8_t* bytes, const float* sz, const int* row, const float* x, const float* sum_x, int64_t k,
+               int64_t n_pad, float* out) {
+  constexpr int kVecs = B / kLanes, kHalf = B / 2, kHalfVecs = kVecs / 2;
   static_assert(kHalf % kLanes == 0, "a packed row of bytes widens by whole vectors");
-  alignas(64) float codes[kInt4Group * B];  // a group's codes, [input][position]
-  alignas(64) float scale[B], zero[B];
-  int row[B];  // the output row of each position
-  for (int j = 0; j < kHalf; ++j) {
-    row[j] = order[2 * j];
-    row[kHalf + j] = order[2 * j + 1];
-  }
-  std::fill(acc, acc + m_rows * kVecs, vfloat{});
-  for (int64_t g0 = 0; g0 < k; g0 += kInt4Group) {
+  constexpr auto kIdx = std::make_index_sequence<kLanes>{};
+  vfloat acc[M][kVecs] = {};
+  for (int64_t g = 0; g < k / kInt4Group; ++g) {
+    vfloat dot[M][kVecs] = {};
     for (int kk = 0; kk < kInt4Group; ++kk) {
-      const uint8_t* bytes = packed + (block * k + g0 + kk) * kHalf;
-      for (int j = 0; j < kHalf; j += kLanes) {
-        const vint b = widen_u8(bytes + j);
-        store(codes + kk * B + j, __builtin_convertvector(b & 15, vfloat));
-        store(codes + kk * B + kHalf + j, __builtin_convertvector(b >> 4, vfloat));
+      const uint8_t* b = bytes + (g * kInt4Group + kk) * kHalf;
+      vfloat lo[kHalfVecs], hi[kHalfVecs];
+      for (int j = 0; j < kHalfVecs; ++j) {
+        const vint w = widen_u8(b + j * kLanes);
+        lo[j] = __builtin_convertvector(w & 15, vfloat);
+        hi[j] = __builtin_convertvector(w >> 4, vfloat);
+      }
+      for (int m = 0; m < M; ++m) {
+        const vfloat xv = splat(x[m * k + g * kInt4Group + kk]);
+        for (int j = 0; j < kHalfVecs; ++j) {
+          dot[m][j] += xv * lo[j];
+          dot[m][kHalfVecs + j] += xv * hi[j];
+        }
       }
     }
-    const float* s = sz + ((g0 / kInt4Group) * n_pad + block * B) * 2;
-    for (int p = 0; p < B; ++p) {
-      scale[p] = s[2 * row[p]];
-      zero[p] = s[2 * row[p] + 1];
-    }
-    for (int64_t m = 0; m < m_rows; ++m) {
-      const float* xg = x + m * k + g0;
-      vfloat dot[kVecs] = {};
-      float sum_x = 0.0f;
-      for (int kk = 0; kk < kInt4Group; ++kk) {
-        const vfloat xv = splat(xg[kk]);
-        sum_x += xg[kk];
-        for (int v = 0; v < kVecs; ++v) dot[v] += xv * load(codes + kk * B + v * kLanes);
+    const float* s = sz + g * n_pad * 2;  // (scale, zero) pairs of this group, from the block's first row
+    for (int v = 0; v < kVecs; ++v) {
+      vfloat scale, zero;
+      if (row == nullptr) {
+        const vfloat a = load(s + v * 2 * kLanes), c = load(s + v * 2 * kLanes + kLanes);
+        scale = evens(a, c, kIdx);
+        zero = odds(a, c, kIdx);
+      } else {
+        for (int l = 0; l < kLanes; ++l) {
+          scale[l] = s[2 * row[v * kLanes + l]];
+          zero[l] = s[2 * row[v * kLanes + l] + 1];
+        }
       }
-      for (int v = 0; v < kVecs; ++v) {
-        acc[m * kVecs + v] += load(scale + v * kLanes) * (dot[v] - 8.0f * sum_x) + load(zero + v * kLanes) * sum_x;
+      for (int m = 0; m < M; ++m) {  // w = (q - 8) * scale + zero, summed over the group
+        const float sx = sum_x[m * (k / kInt4Group) + g];
+        acc[m][v] += scale * (dot[m][v] - 8.0f * sx) + zero * sx;
       }
     }
   }
-  for (int64_t m = 0; m < m_rows; ++m) {
-    float* o = out + m * n_pad + block * B;
-    for (int v = 0; v < kVecs; ++v)
-      for (int l = 0; l < kLanes; ++l) o[row[v * kLanes + l]] = acc[m * kVecs + v][l];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < kVecs; ++v) {
+      if (row == nullptr) {
+        store(out + m * n_pad + v * kLanes, acc[m][v]);
+      } else {
+        for (int l = 0; l < kLanes; ++l) out[m * n_pad + row[v * kLanes + l]] = acc[m][v][l];
+      }
+    }
+}
+
+// Every row of x times one block: x two rows at a time, the block's bytes (16 or 32 per input) re-read from cache.
+template <int B>
+void int4_block(const uint8_t* packed, const float* sz, const int* row, const float* x, const float* sum_x,
+                int64_t m_rows, int64_t k, int64_t n_pad, int64_t block, float* out) {
+  const uint8_t* bytes = packed + block * k * (B / 2);
+  const float* s = sz + block * B * 2;
+  const int64_t groups = k / kInt4Group;
+  int64_t m = 0;
+  for (; m + 2 <= m_rows; m += 2)
+    int4_tile<B, 2>(bytes, s, row, x + m * k, sum_x + m * groups, k, n_pad, out + m * n_pad + block * B);
+  if (m < m_rows) int4_tile<B, 1>(bytes, s, row, x + m * k, sum_x + m * groups, k, n_pad, out + m * n_pad + block * B);
+}
+
+// The row of each position of a block in this order; empty where position p is row p.
+std::vector<int> positions(const int32_t* order, int B) {
+  std::vector<int> row(B);
+  bool identity = true;
+  for (int j = 0; j < B / 2; ++j) {
+    row[j] = order[2 * j];
+    row[B / 2 + j] = order[2 * j + 1];
+    identity = identity && row[j] == j && row[B / 2 + j] == B / 2 + j;
   }
+  return identity ? std::vector<int>{} : row;
 }
 
 // W^T rows [k0, k1) of one dtype: wt[k, r] = (code - 8) * scale + zero, sz = [k / 32, n_pad, 2] (scale, zero);
@@ -216,14 +254,18 @@ at::Tensor int4_group_linear(const at::Tensor& x, const at::Tensor& packed, cons
   at::Tensor out = at::empty({m_rows, n_pad}, x.options());
   const uint8_t* pp = p.data_ptr<uint8_t>();
   const float *sp = sz.data_ptr<float>(), *xp = xc.data_ptr<float>();
+  std::vector<float> sum_x(m_rows * k / kInt4Group, 0.0f);  // [m, k / 32]
+  for (int64_t i = 0; i < m_rows * k; ++i) sum_x[i / kInt4Group] += xp[i];
+  const float* sxp = sum_x.data();
   float* op = out.data_ptr<float>();
+  const std::vector<int> row = positions(rows, B);
+  const int* rp = row.empty() ? nullptr : row.data();
   at::parallel_for(0, n_pad / B, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<vfloat> acc(m_rows * kMaxBlock / kLanes);  // one allocation per chunk of blocks
     for (int64_t b = b0; b < b1; ++b) {
       if (B == kMaxBlock) {
-        int4_block<kMaxBlock>(pp, sp, rows, xp, m_rows, k, n_pad, b, acc.data(), op);
+        int4_block<kMaxBlock>(pp, sp, rp, xp, sxp, m_rows, k, n_pad, b, op);
       } else {
-        int4_block<32>(pp, sp, rows, xp, m_rows, k, n_pad, b, acc.data(), op);
+        int4_block<32>(pp, sp, rp, xp, sxp, m_rows, k, n_pad, b, op);
       }
     }
   });
