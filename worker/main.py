@@ -63,12 +63,14 @@ def main() -> int:
 
 
 def start_worker(config: WorkerConfig, parent: int) -> tuple["Worker", "ThreadGovernor | None"]:
-    """Pin the cores and the collective interface before torch starts its threads (they inherit the mask). The
-    governor's first reading spans the model load, so the first step already runs on the threads the cores allow."""
+    """Pin the cores and the collective interface, and ask for huge pages, before torch starts (its threads inherit
+    the mask). The governor's first reading spans the model load, so the first step already runs on the threads the
+    cores allow."""
     if config.cpu_cores is not None:
         os.sched_setaffinity(0, config.cpu_cores)
     if config.engine.parallel.nnodes > 1:
         pin_collective_interface(config.engine.parallel.master_addr)
+    ask_for_huge_pages(config.engine.parallel.device)
     import torch
 
     torch.set_num_threads(config.torch_threads)
@@ -81,6 +83,14 @@ def start_worker(config: WorkerConfig, parent: int) -> tuple["Worker", "ThreadGo
 
         keep_freed_memory()  # after the load, so that what loading freed goes back to the OS
     return worker, governor
+
+
+def ask_for_huge_pages(device: str) -> None:
+    """On CPU, torch's allocations of 2 MiB and more on transparent huge pages where the kernel's THP mode allows
+    (a decode step reads every weight, and on 4 KiB pages pays a TLB miss per page); torch reads the variable once,
+    so before its first allocation. THP_MEM_ALLOC_ENABLE=0 in the environment keeps 4 KiB pages."""
+    if device == "cpu":
+        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
 def thread_governor(config: WorkerConfig, parent: int) -> "ThreadGovernor | None":

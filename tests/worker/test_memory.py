@@ -1,5 +1,8 @@
 """KV budget arithmetic with injected numbers; the smallest rank decides the block count."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -152,3 +155,40 @@ def test_cpu_kv_tensor_is_zeroed_aligned_and_on_huge_pages():
     if "[never]" in thp:
         pytest.skip("transparent huge pages are off on this machine")
     assert anon_huge_kib(t.data_ptr()) >= 2048
+
+
+HUGE_PAGE_PROBE = """import sys
+import torch
+from tests.worker.test_memory import anon_huge_kib
+t = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB through torch's CPU allocator, written
+print(anon_huge_kib(t.data_ptr()))
+"""
+
+
+@pytest.mark.parametrize("device, preset, expected", [("cpu", None, "1"), ("cpu", "0", "0"), ("cuda", None, None)])
+def test_worker_asks_torch_for_huge_pages_on_cpu(monkeypatch, device, preset, expected):
+    """A CPU worker sets THP_MEM_ALLOC_ENABLE before torch starts, unless the environment already says; GPU ones not."""
+    from worker.main import ask_for_huge_pages
+
+    if preset is None:
+        monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    else:
+        monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", preset)
+    ask_for_huge_pages(device)
+    assert os.environ.get("THP_MEM_ALLOC_ENABLE") == expected
+
+
+def test_torch_puts_large_allocations_on_huge_pages_when_asked():
+    """What ask_for_huge_pages relies on: torch honours THP_MEM_ALLOC_ENABLE (a fresh process: it reads it once)."""
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("transparent huge pages are off on this machine")
+
+    def huge_kib(value: str) -> int:
+        env = {**os.environ, "THP_MEM_ALLOC_ENABLE": value}
+        out = subprocess.run([sys.executable, "-c", HUGE_PAGE_PROBE], env=env, capture_output=True, text=True,
+                             check=True, cwd=Path(__file__).parents[2])
+        return int(out.stdout.split()[-1])
+
+    assert huge_kib("1") >= 32 * 1024  # most of the 64 MiB
+    assert huge_kib("0") < huge_kib("1")
