@@ -157,8 +157,7 @@ def test_cpu_kv_tensor_is_zeroed_aligned_and_on_huge_pages():
     assert anon_huge_kib(t.data_ptr()) >= 2048
 
 
-HUGE_PAGE_PROBE = """import sys
-import torch
+HUGE_PAGE_PROBE = """import torch
 from tests.worker.test_memory import anon_huge_kib
 t = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB through torch's CPU allocator, written
 print(anon_huge_kib(t.data_ptr()))

@@ -19,7 +19,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <cstring>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -172,16 +171,18 @@ void int4_block(const uint8_t* packed, const float* sz, const int* row, const fl
   if (m < m_rows) int4_tile<B, 1>(bytes, s, row, x + m * k, sum_x + m * groups, k, n_pad, out + m * n_pad + block * B);
 }
 
-// The row of each position of a block in this order; empty where position p is row p.
+// The row of each position of a block in this order; empty (nothing allocated: every decode call asks) where
+// position p is row p.
 std::vector<int> positions(const int32_t* order, int B) {
-  std::vector<int> row(B);
   bool identity = true;
+  for (int j = 0; j < B / 2; ++j) identity = identity && order[2 * j] == j && order[2 * j + 1] == B / 2 + j;
+  if (identity) return {};
+  std::vector<int> row(B);
   for (int j = 0; j < B / 2; ++j) {
     row[j] = order[2 * j];
     row[B / 2 + j] = order[2 * j + 1];
-    identity = identity && row[j] == j && row[B / 2 + j] == B / 2 + j;
   }
-  return identity ? std::vector<int>{} : row;
+  return row;
 }
 
 // W^T rows [k0, k1) of one dtype: wt[k, r] = (code - 8) * scale + zero, sz = [k / 32, n_pad, 2] (scale, zero);
