@@ -11,7 +11,7 @@ import torch
 
 from worker.ops.cpu_attention import load_extension
 from worker.ops.cpu_build import cpu_flags
-from worker.ops.quant_linear import INT4_GROUP, int4_row_order, unpack_int4
+from worker.ops.quant_linear import INT4_GROUP, blocked_scale_zero, int4_row_order, unpack_int4
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CAPABILITIES = {"default": set(), "avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}}
@@ -53,7 +53,18 @@ def test_kernels_read_every_row_order(layout):
     codes = unpack_int4(packed, order).float().view(n_pad, k // INT4_GROUP, INT4_GROUP)
     w = ((codes - 8) * scale_zero[..., 0].t()[..., None] + scale_zero[..., 1].t()[..., None]).view(n_pad, k)
     ops = load_extension()
-    torch.testing.assert_close(ops.int4_dequantize_t(packed, scale_zero, order).t(), w, rtol=1e-6, atol=1e-6)
+    blocked = blocked_scale_zero(scale_zero, order.numel())
+    for sz in (scale_zero, blocked):  # torch's layout of the scales and zeros, and the extension's matmul's
+        torch.testing.assert_close(ops.int4_dequantize_t(packed, sz, order).t(), w, rtol=1e-6, atol=1e-6)
     for m in (1, 3, 16):
         x = torch.randn(m, k, generator=g)
-        torch.testing.assert_close(ops.int4_group_linear(x, packed, scale_zero, order), x @ w.t(), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(ops.int4_group_linear(x, packed, blocked, order), x @ w.t(), rtol=1e-5, atol=1e-4)
+
+
+def test_blocked_scale_zero_holds_each_block_in_order():
+    """Entry [b, g, r] of the blocked form is torch's [g, b * block + r]."""
+    scale_zero = torch.randn(3, 128, 2)
+    blocked = blocked_scale_zero(scale_zero, 32)
+    assert blocked.shape == (4, 3, 32, 2) and blocked.is_contiguous()
+    for b, g, r in ((0, 0, 0), (1, 2, 5), (3, 1, 31)):
+        assert torch.equal(blocked[b, g, r], scale_zero[g, b * 32 + r])

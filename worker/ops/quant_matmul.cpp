@@ -8,7 +8,9 @@
 // int4_group_linear, small batches of fp32 activations: torch's packed int4 layout (below) read in place, a block of
 // output rows at a time; each input's codes are widened to fp32 in registers and multiplied with one or two rows of x
 // (no scratch: at batch 1 the widening and the FMAs are the whole cost), and w = (q - 8) * scale + zero is applied
-// per group of 32 inputs as scale * (sum x q - 8 sum x) + zero * sum x. Torch's own packed int4 matmul has no
+// per group of 32 inputs as scale * (sum x q - 8 sum x) + zero * sum x. Its scales and zeros are blocked,
+// [n_pad / B, k / 32, B, 2]: a block's are one sequential stream beside its codes, not k / 32 strided pieces of
+// torch's [k / 32, n_pad, 2] (SmolLM2-135M's int4 linears at batch 1, weights in DRAM: 1.04-1.2x). Torch's own packed int4 matmul has no
 // vectorized fp32 path on AVX2 CPUs (measured 25-40x slower than for bf16 there).
 //
 // int4_dequantize_t and int8_dequantize, large batches (prefill): the weight in the activations' dtype, in one
@@ -103,7 +105,8 @@ inline vfloat odds(vfloat a, vfloat b, std::index_sequence<I...>) { return __bui
 // Rows m0..m0 + M of x (M <= 2: the sums stay in registers) times one block of B output rows. A block is computed in
 // the packed bytes' own order, nibble h of byte j at position h * B / 2 + j, so codes widen by whole vectors straight
 // into the multiply. On AVX2 and AVX512 position p is row p (row == nullptr): scales load and sums store as vectors;
-// in the other layout they go through row[p]. sum_x: x's sums per group of 32 inputs, [rows of x, k / 32].
+// in the other layout they go through row[p]. sz: the block's blocked scales and zeros [k / 32, B, 2]; sum_x: x's
+// sums per group of 32 inputs, [rows of x, k / 32].
 template <int B, int M>
 void int4_tile(const uint8_t* bytes, const float* sz, const int* row, const float* x, const float* sum_x, int64_t k,
                int64_t n_pad, float* out) {
@@ -129,7 +132,7 @@ void int4_tile(const uint8_t* bytes, const float* sz, const int* row, const floa
         }
       }
     }
-    const float* s = sz + g * n_pad * 2;  // (scale, zero) pairs of this group, from the block's first row
+    const float* s = sz + g * B * 2;  // (scale, zero) pairs of this group, from the block's first row
     for (int v = 0; v < kVecs; ++v) {
       vfloat scale, zero;
       if (row == nullptr) {
@@ -163,8 +166,8 @@ template <int B>
 void int4_block(const uint8_t* packed, const float* sz, const int* row, const float* x, const float* sum_x,
                 int64_t m_rows, int64_t k, int64_t n_pad, int64_t block, float* out) {
   const uint8_t* bytes = packed + block * k * (B / 2);
-  const float* s = sz + block * B * 2;
   const int64_t groups = k / kInt4Group;
+  const float* s = sz + block * groups * B * 2;
   int64_t m = 0;
   for (; m + 2 <= m_rows; m += 2)
     int4_tile<B, 2>(bytes, s, row, x + m * k, sum_x + m * groups, k, n_pad, out + m * n_pad + block * B);
@@ -185,15 +188,15 @@ std::vector<int> positions(const int32_t* order, int B) {
   return row;
 }
 
-// W^T rows [k0, k1) of one dtype: wt[k, r] = (code - 8) * scale + zero, sz = [k / 32, n_pad, 2] (scale, zero);
-// blocks of B rows in the given row order.
+// W^T rows [k0, k1) of one dtype: wt[k, r] = (code - 8) * scale + zero, (scale, zero) pairs of a block's first row
+// at sz + group * group_stride + block * block_stride; blocks of B rows in the given row order.
 template <typename T>
 void int4_rows_t(const uint8_t* packed, const T* sz, const int32_t* order, int64_t B, int64_t k, int64_t n_pad,
-                 int64_t k0, int64_t k1, T* wt) {
+                 int64_t group_stride, int64_t block_stride, int64_t k0, int64_t k1, T* wt) {
   for (int64_t kk = k0; kk < k1; ++kk) {
     for (int64_t block = 0; block < n_pad / B; ++block) {
       const uint8_t* bytes = packed + (block * k + kk) * (B / 2);
-      const T* s = sz + ((kk / kInt4Group) * n_pad + block * B) * 2;
+      const T* s = sz + (kk / kInt4Group) * group_stride + block * block_stride;
       T* out = wt + kk * n_pad + block * B;
       for (int64_t i = 0; i < B; ++i) {
         const int r = order[i];
@@ -229,7 +232,13 @@ at::Tensor int4_dequantize_t(const at::Tensor& packed, const at::Tensor& scale_z
   const int64_t n_pad = packed.size(0), k = packed.size(1) * 2;
   TORCH_CHECK(packed.scalar_type() == at::kByte && k % kInt4Group == 0, "int4_dequantize_t: layout");
   const int32_t* rows = row_order(order, n_pad);
-  TORCH_CHECK(scale_zero.sizes() == at::IntArrayRef({k / 32, n_pad, 2}), "int4_dequantize_t: scale_zero shape");
+  const int64_t B = order.numel(), groups = k / kInt4Group;
+  const bool blocked = scale_zero.dim() == 4;
+  const std::vector<int64_t> shape = blocked ? std::vector<int64_t>{n_pad / B, groups, B, 2}
+                                             : std::vector<int64_t>{groups, n_pad, 2};
+  TORCH_CHECK(scale_zero.sizes().vec() == shape,
+              "int4_dequantize_t: scale_zero is [k / 32, n_pad, 2] or blocked [n_pad / B, k / 32, B, 2]");
+  const int64_t group_stride = blocked ? B * 2 : n_pad * 2, block_stride = blocked ? groups * B * 2 : B * 2;
   const at::Tensor p = packed.contiguous(), sz = scale_zero.contiguous();
   at::Tensor wt = at::empty({k, n_pad}, scale_zero.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, sz.scalar_type(), "int4_dequantize_t", [&] {
@@ -237,7 +246,7 @@ at::Tensor int4_dequantize_t(const at::Tensor& packed, const at::Tensor& scale_z
     const scalar_t* sp = sz.data_ptr<scalar_t>();
     scalar_t* out = wt.data_ptr<scalar_t>();
     at::parallel_for(0, k, 16, [&](int64_t k0, int64_t k1) {
-      int4_rows_t(pp, sp, rows, order.numel(), k, n_pad, k0, k1, out);
+      int4_rows_t(pp, sp, rows, B, k, n_pad, group_stride, block_stride, k0, k1, out);
     });
   });
   return wt;
@@ -249,8 +258,8 @@ at::Tensor int4_group_linear(const at::Tensor& x, const at::Tensor& packed, cons
   TORCH_CHECK(packed.scalar_type() == at::kByte && k % kInt4Group == 0, "int4_group_linear: layout");
   const int32_t* rows = row_order(order, n_pad);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat, "int4_group_linear: fp32 x [m, k]");
-  TORCH_CHECK(scale_zero.sizes() == at::IntArrayRef({k / kInt4Group, n_pad, 2}) &&
-              scale_zero.scalar_type() == at::kFloat, "int4_group_linear: float32 scale_zero [k / 32, n_pad, 2]");
+  TORCH_CHECK(scale_zero.sizes() == at::IntArrayRef({n_pad / B, k / kInt4Group, B, 2}) &&
+              scale_zero.scalar_type() == at::kFloat, "int4_group_linear: float32 scale_zero [n_pad / B, k / 32, B, 2]");
   const at::Tensor xc = x.contiguous(), p = packed.contiguous(), sz = scale_zero.contiguous();
   at::Tensor out = at::empty({m_rows, n_pad}, x.options());
   const uint8_t* pp = p.data_ptr<uint8_t>();
