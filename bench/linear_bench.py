@@ -76,7 +76,7 @@ def weight_bytes(model) -> int:
         if isinstance(linear, DenseLinear):
             total += linear.weight.numel() * linear.weight.element_size()
         elif isinstance(linear, Int4Linear):
-            total += linear.packed.nbytes + linear.scale_zero.nbytes
+            total += linear.packed.nbytes + linear.scales.nbytes
         else:
             total += linear.q.nbytes + linear.scale.nbytes
     return total

@@ -11,7 +11,7 @@ import torch
 
 from worker.ops.cpu_attention import load_extension
 from worker.ops.cpu_build import cpu_flags
-from worker.ops.quant_linear import INT4_GROUP, blocked_scale_zero, int4_row_order, unpack_int4
+from worker.ops.quant_linear import INT4_GROUP, blocked_scale_min, int4_row_order, unpack_int4
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CAPABILITIES = {"default": set(), "avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}}
@@ -43,28 +43,35 @@ def test_native_order_is_one_of_the_known():
 
 
 @pytest.mark.parametrize("layout", ["avx512", "avx2", "default"])
-def test_kernels_read_every_row_order(layout):
-    """Random packed bytes in a layout: the extension's dequantize and fp32 matmul against unpack_int4."""
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32-scales", "fp16-scales"])
+def test_kernels_read_every_row_order(layout, fp16):
+    """Random packed bytes in a layout: the extension's dequantize (torch's scales and zeros, and the blocked (scale,
+    min) pairs) and its fp32 matmul against unpack_int4; scales and zeros fp16-exact or not."""
     order = orders()[layout]
     n_pad, k = 128, 96
     g = torch.Generator().manual_seed(1)
     packed = torch.randint(0, 256, (n_pad, k // 2), dtype=torch.uint8, generator=g)
     scale_zero = torch.randn(k // INT4_GROUP, n_pad, 2, generator=g)
+    if fp16:  # as a GGUF Q4_1 tensor's: zero = m + 8 d with d and m fp16
+        scale_zero = scale_zero.half().float()
+        scale_zero[..., 1] += 8 * scale_zero[..., 0]
     codes = unpack_int4(packed, order).float().view(n_pad, k // INT4_GROUP, INT4_GROUP)
     w = ((codes - 8) * scale_zero[..., 0].t()[..., None] + scale_zero[..., 1].t()[..., None]).view(n_pad, k)
     ops = load_extension()
-    blocked = blocked_scale_zero(scale_zero, order.numel())
-    for sz in (scale_zero, blocked):  # torch's layout of the scales and zeros, and the extension's matmul's
+    blocked = blocked_scale_min(scale_zero, order.numel())
+    assert blocked.dtype == (torch.float16 if fp16 else torch.float32)
+    for sz in (scale_zero, blocked):
         torch.testing.assert_close(ops.int4_dequantize_t(packed, sz, order).t(), w, rtol=1e-6, atol=1e-6)
     for m in (1, 3, 16):
         x = torch.randn(m, k, generator=g)
         torch.testing.assert_close(ops.int4_group_linear(x, packed, blocked, order), x @ w.t(), rtol=1e-5, atol=1e-4)
 
 
-def test_blocked_scale_zero_holds_each_block_in_order():
-    """Entry [b, g, r] of the blocked form is torch's [g, b * block + r]."""
+def test_blocked_scale_min_holds_each_block_in_order():
+    """Entry [b, g, r] of the blocked form is (scale, zero - 8 scale) of torch's [g, b * block + r]."""
     scale_zero = torch.randn(3, 128, 2)
-    blocked = blocked_scale_zero(scale_zero, 32)
-    assert blocked.shape == (4, 3, 32, 2) and blocked.is_contiguous()
+    blocked = blocked_scale_min(scale_zero, 32)
+    assert blocked.shape == (4, 3, 32, 2) and blocked.is_contiguous() and blocked.dtype == torch.float32
     for b, g, r in ((0, 0, 0), (1, 2, 5), (3, 1, 31)):
-        assert torch.equal(blocked[b, g, r], scale_zero[g, b * 32 + r])
+        scale, zero = scale_zero[g, b * 32 + r]
+        assert torch.equal(blocked[b, g, r], torch.stack([scale, zero - 8 * scale]))

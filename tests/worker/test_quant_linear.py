@@ -82,7 +82,8 @@ def test_int4_dequantize_undoes_torch_packing():
     w = (q.float().view(100, 3, 32) - 8) * scale[..., None] + zero[..., None]
     linear = Int4Linear(q, scale, zero, None, torch.float32)
     assert linear.ops is not None  # the extension's one-pass kernel, and the torch ops used without it
-    assert torch.equal(linear.dequantize_torch(), w.view(100, 96))
+    w_min = q.float().view(100, 3, 32) * scale[..., None] + (zero - 8 * scale)[..., None]  # its w = q * scale + min
+    assert torch.equal(linear.dequantize_torch(), w_min.view(100, 96))
     torch.testing.assert_close(linear.dequantize(), w.view(100, 96), rtol=1e-6, atol=1e-6)  # the kernel's FMA
     bf16 = Int4Linear(q, scale, zero, None, torch.bfloat16)
     torch.testing.assert_close(bf16.dequantize(), bf16.dequantize_torch(), rtol=2**-8, atol=1e-6)  # one bf16 step

@@ -4,7 +4,7 @@
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -30,6 +30,20 @@ typedef int32_t vint __attribute__((vector_size(kVecBytes)));
 inline vfloat load(const float* p) {
   vfloat v;
   std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+// kLanes fp16 values as fp32 (exact).
+inline vfloat load(const c10::Half* p) {
+#if defined(__AVX512F__)
+  const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__) && defined(__AVX__)
+  const __m256 w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vfloat w;
+  for (int i = 0; i < kLanes; ++i) w[i] = static_cast<float>(p[i]);
+#endif
+  vfloat v;
+  std::memcpy(&v, &w, sizeof(v));
   return v;
 }
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }

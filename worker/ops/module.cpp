@@ -21,7 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_group_linear", &int8_group_linear, "x @ (q * group scales).T, int8 weights read once",
         py::arg("x"), py::arg("q"), py::arg("scale"), nogil);
   m.def("int4_group_linear", &int4_group_linear, "fp32 x @ torch's packed int4 weight.T, [m, n_pad]", py::arg("x"),
-        py::arg("packed"), py::arg("scale_zero"), py::arg("order"), nogil);
+        py::arg("packed"), py::arg("scale_min"), py::arg("order"), nogil);
   m.def("int4_dequantize_t", &int4_dequantize_t, "torch's packed int4 weight as its dense transpose [k, n_pad]",
         py::arg("packed"), py::arg("scale_zero"), py::arg("order"), nogil);
   m.def("int8_dequantize", &int8_dequantize, "int8 codes times group scales, [n, k] in dtype", py::arg("q"),

@@ -23,13 +23,13 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 // Weight-only int8 matmul, x [m, k] by q [n, k] int8 with a float32 scale per group of k / scale.size(1) inputs
 // (quant_matmul.cpp).
 at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
-// Weight-only int4 matmul of fp32 x [m, k] by torch's packed int4 CPU layout [n_pad, k / 2] with float32 scales and
-// zeros blocked as [n_pad / B, k / 32, B, 2] -> [m, n_pad]; order: the layout's row order within a block of B rows
-// (quant_matmul.cpp).
-at::Tensor int4_group_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_zero,
+// Weight-only int4 matmul of fp32 x [m, k] by torch's packed int4 CPU layout [n_pad, k / 2], w = q * scale + min with
+// (scale, min) blocked as [n_pad / B, k / 32, B, 2] in float32 or float16 -> [m, n_pad]; order: the layout's row order
+// within a block of B rows (quant_matmul.cpp).
+at::Tensor int4_group_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min,
                              const at::Tensor& order);
 // Quantized weights in a dense dtype, for the GEMM of large batches: torch's packed int4 CPU layout with its
-// [k / 32, n_pad, 2] (or blocked) scales and zeros -> the transposed weight [k, n_pad]; int8 codes and group scales
-// -> [n, k].
+// [k / 32, n_pad, 2] scales and zeros (or int4_group_linear's blocked (scale, min), then in float32) -> the transposed
+// weight [k, n_pad]; int8 codes and group scales -> [n, k].
 at::Tensor int4_dequantize_t(const at::Tensor& packed, const at::Tensor& scale_zero, const at::Tensor& order);
 at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scale, at::ScalarType dtype);

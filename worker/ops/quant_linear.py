@@ -3,8 +3,8 @@ batch sizes, so a decode step reads a quarter (int4) or half (int8) of the bytes
 
 Int4Linear: codes 0..15 with a scale and a zero per group of 32 inputs, w = (q - 8) * scale + zero (GGUF Q4_0,
 Q4_1 and Q4_K all take this form), kept in torch's packed int4 CPU layout and multiplied by torch's matmul for it,
-or for fp32 activations by the extension's (torch's has no vectorized fp32 path on AVX2 CPUs), which reads the
-scales and zeros blocked (blocked_scale_zero). Int8Linear: int8 codes with a
+or for fp32 activations by the extension's (torch's has no vectorized fp32 path on AVX2 CPUs), which reads them
+blocked as w = q * scale + min (blocked_scale_min). Int8Linear: int8 codes with a
 scale per group (GGUF Q8_0: 32; --quantization rtn: 128), multiplied by the extension's kernel. Larger batches
 (prefill) dequantize the weight to the activation dtype in one pass of the extension and use the dense GEMM,
 faster there than either kernel (the crossovers measured on SmolLM2-360M's shapes, one core: int4 about 16 rows,
@@ -33,21 +33,21 @@ class Int4Linear:
         q, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in (q.to(torch.int32), scale.float(), zero.float()))
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # [n_pad, k / 2] uint8
         self.order = int4_row_order()
-        self.scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()  # [k / 32, n_pad, 2]
+        scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()  # [k / 32, n_pad, 2]
         self.bias = None if bias is None else bias.to(dtype)
         self.dtype = dtype
         self.ops = _extension()
         self.blocked = dtype == torch.float32 and self.ops is not None  # the extension's kernel multiplies
-        if self.blocked:
-            self.scale_zero = blocked_scale_zero(self.scale_zero, self.order.numel())
+        # torch's (scale, zero) in the activation dtype, or the extension's blocked (scale, min)
+        self.scales = blocked_scale_min(scale_zero, self.order.numel()) if self.blocked else scale_zero.to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > INT4_MAX_ROWS:
             return F.linear(x, self.dequantize(), self.bias)
         if self.blocked:
-            out = self.ops.int4_group_linear(x, self.packed, self.scale_zero, self.order)
+            out = self.ops.int4_group_linear(x, self.packed, self.scales, self.order)
         else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, INT4_GROUP, self.scale_zero)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, INT4_GROUP, self.scales)
         if out.shape[1] != self.n:
             out = out[:, : self.n].contiguous()
         return out if self.bias is None else out + self.bias
@@ -56,23 +56,29 @@ class Int4Linear:
         """The weight [n, k] in the activation dtype (math in fp32, one rounding); from the extension, the
         transpose of a [k, n] tensor, which the GEMM reads as it is."""
         if self.ops is not None:
-            return self.ops.int4_dequantize_t(self.packed, self.scale_zero, self.order)[:, : self.n].t()
+            return self.ops.int4_dequantize_t(self.packed, self.scales, self.order)[:, : self.n].t()
         return self.dequantize_torch()
 
     def dequantize_torch(self) -> torch.Tensor:
         n_pad, k = self.packed.shape[0], self.packed.shape[1] * 2
         q = unpack_int4(self.packed, self.order).view(n_pad, k // INT4_GROUP, INT4_GROUP)
-        sz = self.scale_zero.permute(1, 0, 2, 3).reshape(-1, n_pad, 2) if self.blocked else self.scale_zero
-        scale, zero = (sz[..., i].t().float().unsqueeze(-1) for i in (0, 1))
-        w = (q.float() - 8) * scale + zero
+        sz = self.scales.permute(1, 0, 2, 3).reshape(-1, n_pad, 2) if self.blocked else self.scales
+        scale, offset = (sz[..., i].t().float().unsqueeze(-1) for i in (0, 1))
+        w = (q.float() - (0 if self.blocked else 8)) * scale + offset
         return w.reshape(n_pad, k)[: self.n].to(self.dtype)
 
 
-def blocked_scale_zero(scale_zero: torch.Tensor, block: int) -> torch.Tensor:
-    """Torch's [k / 32, n_pad, 2] scales and zeros as [n_pad / block, k / 32, block, 2]: a block of output rows
-    reads its own in one sequential stream, beside its codes (a decode step streams every weight from memory)."""
-    groups, n_pad, _ = scale_zero.shape
-    return scale_zero.view(groups, n_pad // block, block, 2).permute(1, 0, 2, 3).contiguous()
+def blocked_scale_min(scale_zero: torch.Tensor, block: int) -> torch.Tensor:
+    """Torch's [k / 32, n_pad, 2] (scale, zero), w = (q - 8) * scale + zero, as the extension's (scale, min),
+    w = q * scale + min, blocked [n_pad / block, k / 32, block, 2]: a block of output rows reads its own in one
+    sequential stream beside its codes (a decode step streams every weight from memory). In fp16 where that is exact
+    (GGUF Q4_0 and Q4_1 store fp16 scales and mins): a sixth fewer bytes a weight."""
+    scale, zero = scale_zero.float().unbind(-1)
+    pairs = torch.stack([scale, zero - 8 * scale], dim=-1)
+    groups, n_pad, _ = pairs.shape
+    pairs = pairs.view(groups, n_pad // block, block, 2).permute(1, 0, 2, 3).contiguous()
+    half = pairs.half()
+    return half if torch.equal(half.float(), pairs) else pairs
 
 
 @functools.cache

@@ -7,10 +7,11 @@
 //
 // int4_group_linear, small batches of fp32 activations: torch's packed int4 layout (below) read in place, a block of
 // output rows at a time; each input's codes are widened to fp32 in registers and multiplied with one or two rows of x
-// (no scratch: at batch 1 the widening and the FMAs are the whole cost), and w = (q - 8) * scale + zero is applied
-// per group of 32 inputs as scale * (sum x q - 8 sum x) + zero * sum x. Its scales and zeros are blocked,
-// [n_pad / B, k / 32, B, 2]: a block's are one sequential stream beside its codes, not k / 32 strided pieces of
-// torch's [k / 32, n_pad, 2] (SmolLM2-135M's int4 linears at batch 1, weights in DRAM: 1.04-1.2x). Torch's own packed int4 matmul has no
+// (no scratch: at batch 1 the widening and the FMAs are the whole cost), and w = q * scale + min is applied per group
+// of 32 inputs as scale * sum x q + min * sum x. Its (scale, min) pairs are blocked, [n_pad / B, k / 32, B, 2]: a
+// block's are one sequential stream beside its codes, not k / 32 strided pieces of torch's [k / 32, n_pad, 2]
+// (SmolLM2-135M's int4 linears at batch 1, weights in DRAM: 1.17x); fp16 where that is exact (GGUF Q4_0 and Q4_1
+// store fp16 scales and mins), a sixth fewer bytes a weight than fp32. Torch's own packed int4 matmul has no
 // vectorized fp32 path on AVX2 CPUs (measured 25-40x slower than for bf16 there).
 //
 // int4_dequantize_t and int8_dequantize, large batches (prefill): the weight in the activations' dtype, in one
@@ -105,10 +106,10 @@ inline vfloat odds(vfloat a, vfloat b, std::index_sequence<I...>) { return __bui
 // Rows m0..m0 + M of x (M <= 2: the sums stay in registers) times one block of B output rows. A block is computed in
 // the packed bytes' own order, nibble h of byte j at position h * B / 2 + j, so codes widen by whole vectors straight
 // into the multiply. On AVX2 and AVX512 position p is row p (row == nullptr): scales load and sums store as vectors;
-// in the other layout they go through row[p]. sz: the block's blocked scales and zeros [k / 32, B, 2]; sum_x: x's
-// sums per group of 32 inputs, [rows of x, k / 32].
-template <int B, int M>
-void int4_tile(const uint8_t* bytes, const float* sz, const int* row, const float* x, const float* sum_x, int64_t k,
+// in the other layout they go through row[p]. sm: the block's (scale, min) pairs [k / 32, B, 2], S float or fp16;
+// sum_x: x's sums per group of 32 inputs, [rows of x, k / 32].
+template <int B, int M, typename S>
+void int4_tile(const uint8_t* bytes, const S* sm, const int* row, const float* x, const float* sum_x, int64_t k,
                int64_t n_pad, float* out) {
   constexpr int kVecs = B / kLanes, kHalf = B / 2, kHalfVecs = kVecs / 2;
   static_assert(kHalf % kLanes == 0, "a packed row of bytes widens by whole vectors");
@@ -132,22 +133,21 @@ void int4_tile(const uint8_t* bytes, const float* sz, const int* row, const floa
         }
       }
     }
-    const float* s = sz + g * B * 2;  // (scale, zero) pairs of this group, from the block's first row
+    const S* s = sm + g * B * 2;  // (scale, min) pairs of this group, from the block's first row
     for (int v = 0; v < kVecs; ++v) {
-      vfloat scale, zero;
+      vfloat scale, min;
       if (row == nullptr) {
         const vfloat a = load(s + v * 2 * kLanes), c = load(s + v * 2 * kLanes + kLanes);
         scale = evens(a, c, kIdx);
-        zero = odds(a, c, kIdx);
+        min = odds(a, c, kIdx);
       } else {
         for (int l = 0; l < kLanes; ++l) {
-          scale[l] = s[2 * row[v * kLanes + l]];
-          zero[l] = s[2 * row[v * kLanes + l] + 1];
+          scale[l] = to_float(s[2 * row[v * kLanes + l]]);
+          min[l] = to_float(s[2 * row[v * kLanes + l] + 1]);
         }
       }
-      for (int m = 0; m < M; ++m) {  // w = (q - 8) * scale + zero, summed over the group
-        const float sx = sum_x[m * (k / kInt4Group) + g];
-        acc[m][v] += scale * (dot[m][v] - 8.0f * sx) + zero * sx;
+      for (int m = 0; m < M; ++m) {  // w = q * scale + min, summed over the group
+        acc[m][v] += scale * dot[m][v] + min * sum_x[m * (k / kInt4Group) + g];
       }
     }
   }
@@ -162,12 +162,12 @@ void int4_tile(const uint8_t* bytes, const float* sz, const int* row, const floa
 }
 
 // Every row of x times one block: x two rows at a time, the block's bytes (16 or 32 per input) re-read from cache.
-template <int B>
-void int4_block(const uint8_t* packed, const float* sz, const int* row, const float* x, const float* sum_x,
+template <int B, typename S>
+void int4_block(const uint8_t* packed, const S* sm, const int* row, const float* x, const float* sum_x,
                 int64_t m_rows, int64_t k, int64_t n_pad, int64_t block, float* out) {
   const uint8_t* bytes = packed + block * k * (B / 2);
   const int64_t groups = k / kInt4Group;
-  const float* s = sz + block * groups * B * 2;
+  const S* s = sm + block * groups * B * 2;
   int64_t m = 0;
   for (; m + 2 <= m_rows; m += 2)
     int4_tile<B, 2>(bytes, s, row, x + m * k, sum_x + m * groups, k, n_pad, out + m * n_pad + block * B);
@@ -188,24 +188,27 @@ std::vector<int> positions(const int32_t* order, int B) {
   return row;
 }
 
-// W^T rows [k0, k1) of one dtype: wt[k, r] = (code - 8) * scale + zero, (scale, zero) pairs of a block's first row
-// at sz + group * group_stride + block * block_stride; blocks of B rows in the given row order.
-template <typename T>
-void int4_rows_t(const uint8_t* packed, const T* sz, const int32_t* order, int64_t B, int64_t k, int64_t n_pad,
-                 int64_t group_stride, int64_t block_stride, int64_t k0, int64_t k1, T* wt) {
+// W^T rows [k0, k1): wt[k, r] = (code - shift) * scale + offset, the (scale, offset) pairs of a block's first row at
+// sz + group * group_stride + block * block_stride; blocks of B rows in the given row order. Torch's layout:
+// (scale, zero), shift 8; the blocked one: (scale, min), shift 0.
+template <typename T, typename S>
+void int4_rows_t(const uint8_t* packed, const S* sz, const int32_t* order, int64_t B, int64_t k, int64_t n_pad,
+                 int64_t group_stride, int64_t block_stride, float shift, int64_t k0, int64_t k1, T* wt) {
   for (int64_t kk = k0; kk < k1; ++kk) {
     for (int64_t block = 0; block < n_pad / B; ++block) {
       const uint8_t* bytes = packed + (block * k + kk) * (B / 2);
-      const T* s = sz + (kk / kInt4Group) * group_stride + block * block_stride;
+      const S* s = sz + (kk / kInt4Group) * group_stride + block * block_stride;
       T* out = wt + kk * n_pad + block * B;
       for (int64_t i = 0; i < B; ++i) {
         const int r = order[i];
         const float code = static_cast<float>(i % 2 ? bytes[i / 2] >> 4 : bytes[i / 2] & 15);
-        out[r] = static_cast<T>((code - 8.0f) * static_cast<float>(s[2 * r]) + static_cast<float>(s[2 * r + 1]));
+        out[r] = static_cast<T>((code - shift) * to_float(s[2 * r]) + to_float(s[2 * r + 1]));
       }
     }
   }
 }
+
+bool is_scale_min_dtype(const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf; }
 
 // The row order of torch's packed int4 blocks, checked: B = its length, 32 or 64, dividing n_pad.
 const int32_t* row_order(const at::Tensor& order, int64_t n_pad) {
@@ -236,49 +239,69 @@ at::Tensor int4_dequantize_t(const at::Tensor& packed, const at::Tensor& scale_z
   const bool blocked = scale_zero.dim() == 4;
   const std::vector<int64_t> shape = blocked ? std::vector<int64_t>{n_pad / B, groups, B, 2}
                                              : std::vector<int64_t>{groups, n_pad, 2};
-  TORCH_CHECK(scale_zero.sizes().vec() == shape,
-              "int4_dequantize_t: scale_zero is [k / 32, n_pad, 2] or blocked [n_pad / B, k / 32, B, 2]");
+  TORCH_CHECK(scale_zero.sizes().vec() == shape && (!blocked || is_scale_min_dtype(scale_zero)),
+              "int4_dequantize_t: (scale, zero) [k / 32, n_pad, 2], or (scale, min) blocked [n_pad / B, k / 32, B, 2] "
+              "in float32 or float16");
   const int64_t group_stride = blocked ? B * 2 : n_pad * 2, block_stride = blocked ? groups * B * 2 : B * 2;
   const at::Tensor p = packed.contiguous(), sz = scale_zero.contiguous();
+  const uint8_t* pp = p.data_ptr<uint8_t>();
+  if (blocked) {  // the fp32 path's weights: float32 out
+    at::Tensor wt = at::empty({k, n_pad}, scale_zero.options().dtype(at::kFloat));
+    float* out = wt.data_ptr<float>();
+    at::parallel_for(0, k, 16, [&](int64_t k0, int64_t k1) {
+      if (sz.scalar_type() == at::kHalf) {
+        int4_rows_t(pp, sz.data_ptr<c10::Half>(), rows, B, k, n_pad, group_stride, block_stride, 0.0f, k0, k1, out);
+      } else {
+        int4_rows_t(pp, sz.data_ptr<float>(), rows, B, k, n_pad, group_stride, block_stride, 0.0f, k0, k1, out);
+      }
+    });
+    return wt;
+  }
   at::Tensor wt = at::empty({k, n_pad}, scale_zero.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, sz.scalar_type(), "int4_dequantize_t", [&] {
-    const uint8_t* pp = p.data_ptr<uint8_t>();
     const scalar_t* sp = sz.data_ptr<scalar_t>();
     scalar_t* out = wt.data_ptr<scalar_t>();
     at::parallel_for(0, k, 16, [&](int64_t k0, int64_t k1) {
-      int4_rows_t(pp, sp, rows, B, k, n_pad, group_stride, block_stride, k0, k1, out);
+      int4_rows_t(pp, sp, rows, B, k, n_pad, group_stride, block_stride, 8.0f, k0, k1, out);
     });
   });
   return wt;
 }
 
-at::Tensor int4_group_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_zero,
+at::Tensor int4_group_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min,
                              const at::Tensor& order) {
   const int64_t n_pad = packed.size(0), k = packed.size(1) * 2, m_rows = x.size(0), B = order.numel();
   TORCH_CHECK(packed.scalar_type() == at::kByte && k % kInt4Group == 0, "int4_group_linear: layout");
   const int32_t* rows = row_order(order, n_pad);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat, "int4_group_linear: fp32 x [m, k]");
-  TORCH_CHECK(scale_zero.sizes() == at::IntArrayRef({n_pad / B, k / kInt4Group, B, 2}) &&
-              scale_zero.scalar_type() == at::kFloat, "int4_group_linear: float32 scale_zero [n_pad / B, k / 32, B, 2]");
-  const at::Tensor xc = x.contiguous(), p = packed.contiguous(), sz = scale_zero.contiguous();
+  TORCH_CHECK(scale_min.sizes() == at::IntArrayRef({n_pad / B, k / kInt4Group, B, 2}) && is_scale_min_dtype(scale_min),
+              "int4_group_linear: (scale, min) [n_pad / B, k / 32, B, 2] in float32 or float16");
+  const at::Tensor xc = x.contiguous(), p = packed.contiguous(), sm = scale_min.contiguous();
   at::Tensor out = at::empty({m_rows, n_pad}, x.options());
   const uint8_t* pp = p.data_ptr<uint8_t>();
-  const float *sp = sz.data_ptr<float>(), *xp = xc.data_ptr<float>();
+  const float* xp = xc.data_ptr<float>();
   std::vector<float> sum_x(m_rows * k / kInt4Group, 0.0f);  // [m, k / 32]
   for (int64_t i = 0; i < m_rows * k; ++i) sum_x[i / kInt4Group] += xp[i];
   const float* sxp = sum_x.data();
   float* op = out.data_ptr<float>();
   const std::vector<int> row = positions(rows, B);
   const int* rp = row.empty() ? nullptr : row.data();
-  at::parallel_for(0, n_pad / B, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      if (B == kMaxBlock) {
-        int4_block<kMaxBlock>(pp, sp, rp, xp, sxp, m_rows, k, n_pad, b, op);
-      } else {
-        int4_block<32>(pp, sp, rp, xp, sxp, m_rows, k, n_pad, b, op);
+  auto blocks = [&](auto sp) {
+    at::parallel_for(0, n_pad / B, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        if (B == kMaxBlock) {
+          int4_block<kMaxBlock>(pp, sp, rp, xp, sxp, m_rows, k, n_pad, b, op);
+        } else {
+          int4_block<32>(pp, sp, rp, xp, sxp, m_rows, k, n_pad, b, op);
+        }
       }
-    }
-  });
+    });
+  };
+  if (sm.scalar_type() == at::kHalf) {
+    blocks(sm.data_ptr<c10::Half>());
+  } else {
+    blocks(sm.data_ptr<float>());
+  }
   return out;
 }
 
