@@ -59,7 +59,7 @@ class SelfAttention:
     def __call__(self, h, positions, num_tokens: int, cache, meta, attention: Attention) -> torch.Tensor:
         """Rows past num_tokens are padding: they go through the matmuls but not through attention."""
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        q, k, v = self.qkv(h).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv(h).split_with_sizes([q_size, kv_size, kv_size], dim=-1)  # Tensor.split: 3x the overhead
         q, k = self._norm(q, k)
         if self.clip is not None:
             q, k, v = (x.clamp(-self.clip, self.clip) for x in (q, k, v))
@@ -67,10 +67,11 @@ class SelfAttention:
         if self.rotary is not None:
             q, k = self.rotary.apply(q, k, positions)
         v = v.view(-1, self.kv_heads, self.head_dim)
-        o = attention(q[:num_tokens], k[:num_tokens], v[:num_tokens], cache, meta, self.scale, self.softcap)
-        if num_tokens < h.shape[0]:
-            o = F.pad(o, (0, 0, 0, h.shape[0] - num_tokens))
-        return self.o_proj(o)
+        padded = num_tokens < h.shape[0]  # sliced only then: a decode step pays for every op of every layer
+        if padded:
+            q, k, v = q[:num_tokens], k[:num_tokens], v[:num_tokens]
+        o = attention(q, k, v, cache, meta, self.scale, self.softcap)
+        return self.o_proj(F.pad(o, (0, 0, 0, h.shape[0] - num_tokens)) if padded else o)
 
     def _norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.q_norm is None or self.k_norm is None:

@@ -118,7 +118,8 @@ class Rotary:
         """q, k: [tokens, heads, head_dim], rotated (fused: in place)."""
         rd = self.rotary_dim
         if self.ops is not None:
-            self.ops.rotary(q[..., :rd], k[..., :rd], positions, self.cos, self.sin)
+            whole = rd == q.shape[-1]  # no slicing then: a slice costs as much as the kernel at batch 1
+            self.ops.rotary(q if whole else q[..., :rd], k if whole else k[..., :rd], positions, self.cos, self.sin)
             return q, k
         if rd == q.shape[-1]:
             return self(q, positions), self(k, positions)
