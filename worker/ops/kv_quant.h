@@ -30,23 +30,11 @@ namespace {
 
 // kLanes fp16 bit patterns (in 32-bit lanes) as fp32.
 inline vfloat half_bits_to_float(vint h) {
-#if defined(__AVX512F__)
   typedef uint16_t vhalf __attribute__((vector_size(kLanes * 2)));
   const vhalf x = __builtin_convertvector(h, vhalf);
-  __m256i bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return reinterpret_cast<vfloat>(_mm512_cvtph_ps(bits));
-#elif defined(__F16C__) && defined(__AVX__)
-  typedef uint16_t vhalf __attribute__((vector_size(kLanes * 2)));
-  const vhalf x = __builtin_convertvector(h, vhalf);
-  __m128i bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return reinterpret_cast<vfloat>(_mm256_cvtph_ps(bits));
-#else
-  vfloat f;
-  for (int i = 0; i < kLanes; ++i) f[i] = static_cast<float>(c10::Half(static_cast<uint16_t>(h[i]), c10::Half::from_bits()));
-  return f;
-#endif
+  c10::Half halves[kLanes];
+  std::memcpy(halves, &x, sizeof(x));
+  return load(halves);
 }
 
 // kLanes codes as fp32, not yet scaled (e4m3: 2^-8 of the value, see CodeReader).

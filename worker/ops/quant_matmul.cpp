@@ -210,6 +210,16 @@ void int4_rows_t(const uint8_t* packed, const S* sz, const int32_t* order, int64
 
 bool is_scale_min_dtype(const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf; }
 
+// f(the data of blocked (scale, min) pairs), typed: const c10::Half* or const float*.
+template <typename F>
+void with_scale_min(const at::Tensor& t, F f) {
+  if (t.scalar_type() == at::kHalf) {
+    f(t.data_ptr<c10::Half>());
+  } else {
+    f(t.data_ptr<float>());
+  }
+}
+
 // The row order of torch's packed int4 blocks, checked: B = its length, 32 or 64, dividing n_pad.
 const int32_t* row_order(const at::Tensor& order, int64_t n_pad) {
   const int64_t B = order.numel();
@@ -248,12 +258,10 @@ at::Tensor int4_dequantize_t(const at::Tensor& packed, const at::Tensor& scale_z
   if (blocked) {  // the fp32 path's weights: float32 out
     at::Tensor wt = at::empty({k, n_pad}, scale_zero.options().dtype(at::kFloat));
     float* out = wt.data_ptr<float>();
-    at::parallel_for(0, k, 16, [&](int64_t k0, int64_t k1) {
-      if (sz.scalar_type() == at::kHalf) {
-        int4_rows_t(pp, sz.data_ptr<c10::Half>(), rows, B, k, n_pad, group_stride, block_stride, 0.0f, k0, k1, out);
-      } else {
-        int4_rows_t(pp, sz.data_ptr<float>(), rows, B, k, n_pad, group_stride, block_stride, 0.0f, k0, k1, out);
-      }
+    with_scale_min(sz, [&](auto sp) {
+      at::parallel_for(0, k, 16, [&](int64_t k0, int64_t k1) {
+        int4_rows_t(pp, sp, rows, B, k, n_pad, group_stride, block_stride, 0.0f, k0, k1, out);
+      });
     });
     return wt;
   }
@@ -286,7 +294,7 @@ at::Tensor int4_group_linear(const at::Tensor& x, const at::Tensor& packed, cons
   float* op = out.data_ptr<float>();
   const std::vector<int> row = positions(rows, B);
   const int* rp = row.empty() ? nullptr : row.data();
-  auto blocks = [&](auto sp) {
+  with_scale_min(sm, [&](auto sp) {
     at::parallel_for(0, n_pad / B, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         if (B == kMaxBlock) {
@@ -296,12 +304,7 @@ at::Tensor int4_group_linear(const at::Tensor& x, const at::Tensor& packed, cons
         }
       }
     });
-  };
-  if (sm.scalar_type() == at::kHalf) {
-    blocks(sm.data_ptr<c10::Half>());
-  } else {
-    blocks(sm.data_ptr<float>());
-  }
+  });
   return out;
 }
 
