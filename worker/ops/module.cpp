@@ -26,4 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed"), py::arg("scale_zero"), py::arg("order"), nogil);
   m.def("int8_dequantize", &int8_dequantize, "int8 codes times group scales, [n, k] in dtype", py::arg("q"),
         py::arg("scale"), py::arg("dtype"), nogil);
+  m.def("half_pack", &half_pack, "a weight [n, k] as bf16 or fp16 panels for half_linear", py::arg("weight"),
+        py::arg("dtype"), nogil);
+  m.def("half_linear", &half_linear, "fp32 x @ a bf16 or fp16 packed weight.T, [m, n]", py::arg("x"),
+        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), nogil);
 }
