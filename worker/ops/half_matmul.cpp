@@ -5,7 +5,7 @@
 // The weight [n, k] is packed once into panels of P = 2 vectors of output rows, [n_pad / P, k, P]: a panel's values
 // for one input k are one vector load apart, so a tile of R rows of x times a panel is R broadcasts and 2R FMAs an
 // input, the 2R sums in registers (R <= 6 leaves 3 of AVX2's 16 for the weights and x). Panels are split across
-// threads; x goes in blocks of rows that stay in L2 while every panel passes.
+// threads (one parallel region a call); each thread takes x in blocks of rows that stay in L2 while its panels pass.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -105,16 +105,15 @@ at::Tensor half_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const int64_t block = std::max<int64_t>(kMaxTile, kRowBlockBytes / (k * 4) / kMaxTile * kMaxTile);
   AT_DISPATCH_REDUCED_FLOATING_TYPES(packed.scalar_type(), "half_linear", [&] {
     const scalar_t* wp = packed.data_ptr<scalar_t>();
-    for (int64_t m0 = 0; m0 < m; m0 += block) {
-      const int64_t rows = std::min(block, m - m0);
-      at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {  // one region a call: no barrier a row block
+      for (int64_t m0 = 0; m0 < m; m0 += block) {
         for (int64_t p = p0; p < p1; ++p) {
           const int64_t c0 = p * kPanel;
-          panel_rows(wp + p * k * kPanel, xp + m0 * k, rows, k, bp == nullptr ? nullptr : bp + c0, op + m0 * n + c0,
-                     n, std::min(kPanel, n - c0));
+          panel_rows(wp + p * k * kPanel, xp + m0 * k, std::min(block, m - m0), k, bp == nullptr ? nullptr : bp + c0,
+                     op + m0 * n + c0, n, std::min(kPanel, n - c0));
         }
-      });
-    }
+      }
+    });
   });
   return out;
 }
