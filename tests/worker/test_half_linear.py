@@ -56,7 +56,7 @@ def test_make_linear_keeps_16_bits_only_where_exact():
     stacked = make_linear(parts, None, None, torch.float32, CPU)
     assert isinstance(stacked, HalfLinear) and stacked.weight.dtype == torch.bfloat16 and stacked.n == 80
     assert stacked.weight.numel() * stacked.weight.element_size() == 2 * stacked.weight.numel()
-    x = torch.randn(3, 48)
+    x = torch.randn(2, 3, 48)  # leading dims kept
     torch.testing.assert_close(stacked(x), x @ torch.cat(parts).float().t(), rtol=0, atol=1e-4)
     fp16_only = torch.full((8, 8), 1 + 2**-10)  # 11 significant bits: an fp16, not a bf16
     assert make_linear([fp16_only], None, None, torch.float32, CPU).weight.dtype == torch.float16

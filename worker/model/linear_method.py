@@ -5,8 +5,8 @@ Dense on the CPU: the weight reordered once into oneDNN's blocked layout (what m
 reorder on every call) and multiplied by oneDNN's prepacked linear: same results as F.linear within rounding,
 faster at every batch size measured (docs/benchmarks.md). On CUDA, or where oneDNN has no kernel for the dtype
 (fp16; bf16 on CPUs without AVX512BW/VL/DQ or AVX-NE-CONVERT, e.g. AVX2-only ones), F.linear. An fp32 weight whose
-values are exact in bf16 or fp16 (a 16-bit checkpoint served in fp32) stays in 16 bits (HalfLinear). Quantized weights (GGUF blocks kept at load, or --quantization rtn)
-go to worker/ops/quant_linear.py."""
+values are exact in bf16 or fp16 (a 16-bit checkpoint served in fp32) stays in 16 bits (HalfLinear). Quantized
+weights (GGUF blocks kept at load, or --quantization rtn) go to worker/ops/quant_linear.py."""
 
 import logging
 
@@ -48,7 +48,8 @@ class HalfLinear:
         self.bias, self.ops = bias, ops
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.half_linear(x, self.weight, self.n, self.bias)
+        out = self.ops.half_linear(x.reshape(-1, x.shape[-1]), self.weight, self.n, self.bias)
+        return out.view(*x.shape[:-1], self.n)
 
 
 Linear = DenseLinear | HalfLinear | Int4Linear | Int8Linear
