@@ -48,8 +48,7 @@ class HalfLinear:
         self.bias, self.ops = bias, ops
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.ops.half_linear(x.reshape(-1, x.shape[-1]), self.weight, self.n, self.bias)
-        return out.view(*x.shape[:-1], self.n)
+        return self.ops.half_linear(x, self.weight, self.n, self.bias)
 
 
 Linear = DenseLinear | HalfLinear | Int4Linear | Int8Linear

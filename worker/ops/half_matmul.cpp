@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "cpu_vec.h"
 #include "ops.h"
@@ -48,13 +49,13 @@ void tile(const T* panel, const float* x, int64_t k, const float* bias, float* o
     }
   }
   for (int r = 0; r < R; ++r) {
+    for (int u = 1; u < U; ++u) {
+      acc[0][r][0] += acc[u][r][0];
+      acc[0][r][1] += acc[u][r][1];
+    }
     float sums[kPanel];
     store(sums, acc[0][r][0]);
     store(sums + kLanes, acc[0][r][1]);
-    for (int u = 1; u < U; ++u) {
-      store(sums, load(sums) + acc[u][r][0]);
-      store(sums + kLanes, load(sums + kLanes) + acc[u][r][1]);
-    }
     for (int64_t j = 0; j < cols; ++j) out[r * n + j] = bias == nullptr ? sums[j] : sums[j] + bias[j];
   }
 }
@@ -77,8 +78,6 @@ void panel_rows(const T* panel, const float* x, int64_t m, int64_t k, const floa
   }
 }
 
-bool is_half(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf; }
-
 }  // namespace
 
 at::Tensor half_pack(const at::Tensor& weight, at::ScalarType dtype) {
@@ -91,15 +90,18 @@ at::Tensor half_pack(const at::Tensor& weight, at::ScalarType dtype) {
 }
 
 at::Tensor half_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "half_linear: fp32 x [m, k]");
-  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
-  TORCH_CHECK(packed.dim() == 3 && is_half(packed) && packed.size(1) == k && packed.size(2) == kPanel &&
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat, "half_linear: fp32 x [..., k]");
+  const int64_t k = x.size(-1), m = x.numel() / std::max<int64_t>(k, 1), panels = packed.size(0);
+  const bool half = packed.scalar_type() == at::kBFloat16 || packed.scalar_type() == at::kHalf;
+  TORCH_CHECK(packed.dim() == 3 && half && packed.size(1) == k && packed.size(2) == kPanel &&
                   panels * kPanel >= n && n > panels * kPanel - kPanel && packed.is_contiguous(),
               "half_linear: the weight as half_pack packs it, [ceil(n / ", kPanel, "), k, ", kPanel, "]");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == n), "half_linear: fp32 bias [n]");
   const at::Tensor xc = x.contiguous();
   const at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
-  at::Tensor out = at::empty({m, n}, x.options());
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  at::Tensor out = at::empty(shape, x.options());
   const float *xp = xc.data_ptr<float>(), *bp = bias ? bc.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t block = std::max<int64_t>(kMaxTile, kRowBlockBytes / (k * 4) / kMaxTile * kMaxTile);

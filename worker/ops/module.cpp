@@ -28,6 +28,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("dtype"), nogil);
   m.def("half_pack", &half_pack, "a weight [n, k] as bf16 or fp16 panels for half_linear", py::arg("weight"),
         py::arg("dtype"), nogil);
-  m.def("half_linear", &half_linear, "fp32 x @ a bf16 or fp16 packed weight.T, [m, n]", py::arg("x"),
+  m.def("half_linear", &half_linear, "fp32 x @ a bf16 or fp16 packed weight.T, [..., n]", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), nogil);
 }

@@ -33,8 +33,8 @@ at::Tensor int4_group_linear(const at::Tensor& x, const at::Tensor& packed, cons
 // weight [k, n_pad]; int8 codes and group scales -> [n, k].
 at::Tensor int4_dequantize_t(const at::Tensor& packed, const at::Tensor& scale_zero, const at::Tensor& order);
 at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scale, at::ScalarType dtype);
-// fp32 x [m, k] times a weight [n, k] kept in bf16 or fp16 (exact values of the checkpoint): half_pack packs it once
-// into [ceil(n / P), k, P] panels (P: two vectors of this build's ISA), half_linear multiplies -> [m, n] fp32
+// fp32 x [..., k] times a weight [n, k] kept in bf16 or fp16 (exact values of the checkpoint): half_pack packs it once
+// into [ceil(n / P), k, P] panels (P: two vectors of this build's ISA), half_linear multiplies -> [..., n] fp32
 // (half_matmul.cpp).
 at::Tensor half_pack(const at::Tensor& weight, at::ScalarType dtype);
 at::Tensor half_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias);
